@@ -1,0 +1,222 @@
+"""The blob codec: every value kvtier stores is a fixed header followed by a payload.
+
+Header (little-endian, 56 bytes)::
+
+    0   4s  magic  b"KVTB"
+    4   B   format version (1)
+    5   B   codec: 0 none, 1 lz4 (block), 2 zstd
+    6   H   flags (see ``Flags``)
+    8   Q   raw payload length
+    16  I   token count the payload covers
+    20  I   reserved (0)
+    24  16s chunk hash (the key's hash; a value stored under another key is foreign)
+    40  8s  namespace id (first 8 bytes of the namespace digest)
+    48  Q   xxh3-64 of header bytes 0..47 and the stored payload
+
+A reader checks magic, version, codec, hash, namespace and checksum before it returns a byte, so a
+damaged or foreign value is a ``CodecError``, never data. Nothing is ever pickled.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from dataclasses import dataclass
+from typing import Literal
+
+import lz4.block
+import xxhash
+
+from .errors import CodecError, ConfigError
+
+MAGIC = b"KVTB"
+FORMAT_VERSION = 1
+_HEAD = struct.Struct("<4sBBHQII16s8s")
+_SUM = struct.Struct("<Q")
+HEADER_SIZE = _HEAD.size + _SUM.size  # 56
+MAX_RAW_BYTES = 1 << 34  # 16 GiB: anything larger in a header is damage, not data
+
+# Adaptive mode compresses a sample first and keeps the raw payload when compression saves less than
+# MIN_SAVING: real f16 KV compresses 1.01x with lz4, so compressing it would only cost CPU.
+MIN_SAVING = 0.05
+SAMPLE_BYTES = 256 * 1024
+
+
+class CodecId(enum.IntEnum):
+    NONE = 0
+    LZ4 = 1
+    ZSTD = 2
+
+
+class Flags(enum.IntFlag):
+    NONE = 0
+    KEPT_RAW = 1  # adaptive mode tried to compress and kept the raw payload
+    WHOLE = 2  # a whole, unsplit state keyed by its exact token sequence
+    SESSION = 4  # a session manifest or a session's partial tail
+
+
+Compression = Literal["adaptive", "lz4", "zstd", "none"]
+COMPRESSIONS: tuple[str, ...] = ("adaptive", "lz4", "zstd", "none")
+
+
+@dataclass(frozen=True, slots=True)
+class Blob:
+    """A decoded, verified value."""
+
+    payload: bytes | memoryview
+    n_tokens: int
+    flags: Flags
+    codec: CodecId
+    stored_bytes: int
+
+
+def _zstd_module():  # type: ignore[no-untyped-def]
+    try:
+        import zstandard
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise ConfigError("compression 'zstd' needs the 'zstandard' package (pip install kvtier[zstd])") from exc
+    return zstandard
+
+
+class BlobCodec:
+    """Encodes and verifies blobs; one instance is shared by every tier of a store.
+
+    Args:
+        compression: ``adaptive`` (lz4 only when it saves at least ``min_saving``), ``lz4``, ``zstd``
+            or ``none``.
+        min_saving: fraction of bytes compression must save to be kept.
+        zstd_level: level for ``zstd``.
+    """
+
+    def __init__(self, compression: str = "adaptive", *, min_saving: float = MIN_SAVING, zstd_level: int = 1):
+        if compression not in COMPRESSIONS:
+            raise ConfigError(f"unknown compression {compression!r}; choose one of {', '.join(COMPRESSIONS)}")
+        if not 0.0 <= min_saving < 1.0:
+            raise ConfigError(f"min_saving must be in [0, 1), got {min_saving}")
+        self.compression = compression
+        self.min_saving = min_saving
+        self._zstd_c = self._zstd_d = None
+        if compression == "zstd":
+            zstd = _zstd_module()
+            self._zstd_c = zstd.ZstdCompressor(level=zstd_level)
+        self._zstd_level = zstd_level
+
+    # -- encode ---------------------------------------------------------------------------------
+
+    def encode(
+        self,
+        payload: bytes | bytearray | memoryview,
+        *,
+        chunk_hash: bytes,
+        namespace_id: bytes,
+        n_tokens: int,
+        flags: Flags = Flags.NONE,
+    ) -> bytes:
+        """Header + (possibly compressed) payload."""
+        if len(chunk_hash) != 16:
+            raise ValueError("chunk_hash must be 16 bytes")
+        if len(namespace_id) != 8:
+            raise ValueError("namespace_id must be 8 bytes")
+        if not 0 <= n_tokens < 1 << 32:
+            raise ValueError("n_tokens out of range")
+        raw = memoryview(payload).cast("B")
+        codec, body, flags = self._compress(raw, flags)
+        head = _HEAD.pack(MAGIC, FORMAT_VERSION, codec, int(flags), raw.nbytes, n_tokens, 0, chunk_hash, namespace_id)
+        h = xxhash.xxh3_64(head)
+        h.update(body)
+        return b"".join((head, _SUM.pack(h.intdigest()), body))
+
+    def _compress(self, raw: memoryview, flags: Flags) -> tuple[CodecId, bytes | memoryview, Flags]:
+        mode = self.compression
+        if mode == "none" or raw.nbytes == 0:
+            return CodecId.NONE, raw, flags
+        if mode == "adaptive" and raw.nbytes > SAMPLE_BYTES:
+            # Try a sample from the middle before paying for the whole payload.
+            start = (raw.nbytes - SAMPLE_BYTES) // 2
+            sample = raw[start : start + SAMPLE_BYTES]
+            if len(lz4.block.compress(sample, store_size=False)) > SAMPLE_BYTES * (1 - self.min_saving):
+                return CodecId.NONE, raw, flags | Flags.KEPT_RAW
+        if mode == "zstd":
+            assert self._zstd_c is not None
+            body: bytes = self._zstd_c.compress(raw)
+            codec = CodecId.ZSTD
+        else:
+            body = lz4.block.compress(raw, store_size=False)
+            codec = CodecId.LZ4
+        threshold = raw.nbytes * (1 - self.min_saving) if mode == "adaptive" else raw.nbytes
+        if len(body) >= threshold:
+            return CodecId.NONE, raw, flags | Flags.KEPT_RAW
+        return codec, body, flags
+
+    # -- decode ---------------------------------------------------------------------------------
+
+    def decode(
+        self,
+        blob: bytes | bytearray | memoryview,
+        *,
+        chunk_hash: bytes | None = None,
+        namespace_id: bytes | None = None,
+    ) -> Blob:
+        """Verify and decode a blob.
+
+        Raises:
+            CodecError: the blob is truncated, damaged, of another format version, or belongs to
+                another key or namespace.
+        """
+        view = memoryview(blob).cast("B")
+        if view.nbytes < HEADER_SIZE:
+            raise CodecError(f"blob too short ({view.nbytes} bytes)")
+        magic, version, codec, flags, raw_len, n_tokens, _, stored_hash, stored_ns = _HEAD.unpack_from(view)
+        if magic != MAGIC:
+            raise CodecError("not a kvtier blob (bad magic)")
+        if version != FORMAT_VERSION:
+            raise CodecError(f"unsupported blob format version {version}")
+        if codec not in CodecId._value2member_map_:
+            raise CodecError(f"unknown codec id {codec}")
+        if raw_len > MAX_RAW_BYTES:
+            raise CodecError(f"implausible raw length {raw_len}")
+        if chunk_hash is not None and stored_hash != chunk_hash:
+            raise CodecError("blob belongs to another key")
+        if namespace_id is not None and stored_ns != namespace_id:
+            raise CodecError("blob belongs to another namespace")
+        (checksum,) = _SUM.unpack_from(view, _HEAD.size)
+        body = view[HEADER_SIZE:]
+        h = xxhash.xxh3_64(view[: _HEAD.size])
+        h.update(body)
+        if h.intdigest() != checksum:
+            raise CodecError("checksum mismatch")
+        payload: bytes | memoryview
+        if codec == CodecId.NONE:
+            if body.nbytes != raw_len:
+                raise CodecError("raw length mismatch")
+            payload = body
+        else:
+            payload = self._decompress(CodecId(codec), body, raw_len)
+        return Blob(payload, n_tokens, Flags(flags), CodecId(codec), view.nbytes)
+
+    def _decompress(self, codec: CodecId, body: memoryview, raw_len: int) -> bytes:
+        try:
+            if codec == CodecId.LZ4:
+                out = lz4.block.decompress(body, uncompressed_size=raw_len)
+            else:
+                if self._zstd_d is None:
+                    self._zstd_d = _zstd_module().ZstdDecompressor()
+                out = self._zstd_d.decompress(body, max_output_size=raw_len)  # type: ignore[attr-defined]
+        except CodecError:
+            raise
+        except Exception as exc:  # the libraries raise assorted types on damage
+            raise CodecError(f"cannot decompress payload: {exc}") from exc
+        if len(out) != raw_len:
+            raise CodecError("raw length mismatch after decompression")
+        return bytes(out)
+
+
+def peek_header(blob: bytes | memoryview) -> tuple[bytes, bytes, int, int]:
+    """(chunk hash, namespace id, raw length, token count) without verifying the payload."""
+    view = memoryview(blob).cast("B")
+    if view.nbytes < HEADER_SIZE:
+        raise CodecError("blob too short")
+    magic, _, _, _, raw_len, n_tokens, _, chunk_hash, ns = _HEAD.unpack_from(view)
+    if magic != MAGIC:
+        raise CodecError("not a kvtier blob (bad magic)")
+    return chunk_hash, ns, raw_len, n_tokens

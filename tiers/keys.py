@@ -1,0 +1,115 @@
+"""Prefix keys: a chained BLAKE2b-128 hash over fixed-size token chunks.
+
+``h_0 = H(namespace)`` and ``h_i = H(h_{i-1} || int32-LE tokens of chunk i)``. Only full chunks get a
+key: the partial tail belongs to an explicit session save. Keys never use Python's ``hash()``, so
+they agree across processes, machines and restarts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NewType
+
+import numpy as np
+
+ChunkHash = NewType("ChunkHash", bytes)
+
+DIGEST_SIZE = 16  # BLAKE2b-128
+DEFAULT_CHUNK_TOKENS = 256
+NAMESPACE_HEX_LEN = 16  # 8 bytes of the namespace digest in Redis keys and blob headers
+
+
+@dataclass(frozen=True, slots=True)
+class Namespace:
+    """What a chunk's bytes depend on: the KV layout fingerprint plus an optional tenant salt.
+
+    Chunks of another model, quantization, chunk size or tenant can never share a key.
+    """
+
+    fingerprint: str
+    salt: str = ""
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+
+    def __post_init__(self) -> None:
+        if not self.fingerprint:
+            raise ValueError("namespace fingerprint must not be empty")
+        if self.chunk_tokens <= 0 or self.chunk_tokens > 1 << 20:
+            raise ValueError(f"chunk_tokens must be in 1..{1 << 20}, got {self.chunk_tokens}")
+
+    @property
+    def digest(self) -> ChunkHash:
+        """``h_0``: the root of every prefix chain in this namespace."""
+        material = f"kvtier/1\0{self.fingerprint}\0{self.salt}\0{self.chunk_tokens}".encode()
+        return ChunkHash(hashlib.blake2b(material, digest_size=DIGEST_SIZE).digest())
+
+    @property
+    def id(self) -> str:
+        """Short hex id used in Redis keys, directory names and blob headers."""
+        return self.digest.hex()[:NAMESPACE_HEX_LEN]
+
+    def salted(self, salt: str) -> Namespace:
+        """The same layout under another tenant salt."""
+        return Namespace(self.fingerprint, salt, self.chunk_tokens)
+
+
+def as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Tokens as a contiguous little-endian int32 array (a view when already so)."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError("tokens must be a 1-D sequence")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ValueError(f"tokens must be integers, got dtype {arr.dtype}")
+    if arr.dtype != np.dtype("<i4"):
+        if arr.size and (arr.min() < -(1 << 31) or arr.max() >= 1 << 31):
+            raise ValueError("token ids must fit in int32")
+        arr = arr.astype("<i4")
+    return np.ascontiguousarray(arr)
+
+
+def hash_chunk(parent: bytes, chunk_tokens: np.ndarray) -> ChunkHash:
+    """``H(parent || int32-LE tokens)`` for one chunk."""
+    h = hashlib.blake2b(parent, digest_size=DIGEST_SIZE)
+    h.update(memoryview(chunk_tokens).cast("B"))
+    return ChunkHash(h.digest())
+
+
+def prefix_chain(
+    namespace: Namespace, tokens: Sequence[int] | np.ndarray, max_chunks: int | None = None
+) -> list[ChunkHash]:
+    """Hashes of every full chunk of ``tokens``, in order (``h_1 .. h_n``).
+
+    Args:
+        namespace: the namespace whose digest roots the chain.
+        tokens: the token sequence.
+        max_chunks: stop after this many chunks.
+
+    Returns:
+        One hash per full chunk; a sequence shorter than one chunk gives an empty list.
+    """
+    arr = as_token_array(tokens)
+    size = namespace.chunk_tokens
+    n = arr.size // size
+    if max_chunks is not None:
+        n = min(n, max_chunks)
+    # One reshape, then one hashlib call per chunk over a zero-copy row view: no per-token Python.
+    rows = arr[: n * size].reshape(n, size)
+    chain: list[ChunkHash] = []
+    parent: bytes = namespace.digest
+    blake2b = hashlib.blake2b
+    for row in rows:
+        h = blake2b(parent, digest_size=DIGEST_SIZE)
+        h.update(row.data)
+        parent = h.digest()
+        chain.append(ChunkHash(parent))
+    return chain
+
+
+def sequence_key(namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> ChunkHash:
+    """Key of an exact whole token sequence (for states that cannot be split into chunks)."""
+    arr = as_token_array(tokens)
+    h = hashlib.blake2b(b"whole\0" + namespace.digest, digest_size=DIGEST_SIZE)
+    h.update(arr.size.to_bytes(8, "little"))
+    h.update(arr.data)
+    return ChunkHash(h.digest())
