@@ -113,3 +113,23 @@ def sequence_key(namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> Ch
     h.update(arr.size.to_bytes(8, "little"))
     h.update(arr.data)
     return ChunkHash(h.digest())
+
+
+def chunk_key(namespace: Namespace, chunk_hash: bytes) -> bytes:
+    """Storage key of a prefix chunk: ``kvtier:{ns}:c:{hex}``."""
+    return f"kvtier:{namespace.id}:c:{chunk_hash.hex()}".encode()
+
+
+def whole_key(namespace: Namespace, seq_hash: bytes) -> bytes:
+    """Storage key of a whole, unsplittable state: ``kvtier:{ns}:w:{hex}``."""
+    return f"kvtier:{namespace.id}:w:{seq_hash.hex()}".encode()
+
+
+def session_key(namespace: Namespace, session_id: str) -> bytes:
+    """Storage key of a session manifest: ``kvtier:{ns}:s:{session}``."""
+    return f"kvtier:{namespace.id}:s:{session_id}".encode()
+
+
+def events_channel(namespace: Namespace) -> str:
+    """Pub/sub channel of a namespace: ``kvtier:{ns}:events``."""
+    return f"kvtier:{namespace.id}:events"

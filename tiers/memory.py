@@ -1,0 +1,101 @@
+"""MemoryTier: blobs in this process's RAM under a byte budget."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping, Sequence
+
+from .base import StatsCounter, TierStats
+from .errors import ConfigError
+from .policies import EvictionPolicy, make_policy
+
+
+class MemoryTier:
+    """In-process tier with a byte budget and a pluggable eviction policy.
+
+    Keys passed in one call are taken to be one prefix chain in order (root first), as the
+    ``TieredStore`` passes them. They are recorded deepest first, so the root ends up the most
+    recently used: among equally cold entries a chunk's descendants are evicted before the chunk.
+
+    Args:
+        capacity: byte budget (values only; the per-entry overhead of ~100 bytes is not counted).
+        policy: ``s3fifo`` (default) or ``lru``.
+    """
+
+    def __init__(self, capacity: int, *, policy: str = "s3fifo", name: str = "memory"):
+        if capacity <= 0:
+            raise ConfigError(f"memory tier capacity must be positive, got {capacity}")
+        self.name = name
+        self.capacity = capacity
+        self._policy: EvictionPolicy = make_policy(policy, capacity)
+        self._data: dict[bytes, bytes] = {}
+        self._used = 0
+        self._lock = threading.Lock()
+        self._stats = StatsCounter(name)
+
+    async def get_many(self, keys: Sequence[bytes]) -> dict[bytes, bytes | memoryview]:
+        return self.get_many_sync(keys)
+
+    def get_many_sync(self, keys: Sequence[bytes]) -> dict[bytes, bytes | memoryview]:
+        found: dict[bytes, bytes | memoryview] = {}
+        with self._lock:
+            for key in reversed(keys):
+                value = self._data.get(key)
+                if value is not None:
+                    self._policy.on_access(key)
+                    found[key] = value
+        nbytes = sum(len(v) for v in found.values())
+        self._stats.add(hits=len(found), misses=len(keys) - len(found), bytes_out=nbytes)
+        return found
+
+    async def put_many(self, items: Mapping[bytes, bytes]) -> int:
+        return self.put_many_sync(items)
+
+    def put_many_sync(self, items: Mapping[bytes, bytes]) -> int:
+        stored = evicted = nbytes = 0
+        with self._lock:
+            for key in reversed(list(items)):
+                value = bytes(items[key]) if not isinstance(items[key], bytes) else items[key]
+                size = len(value)
+                if size > self.capacity:
+                    continue  # larger than the whole tier: never cached here
+                old = self._data.pop(key, None)
+                if old is not None:
+                    self._used -= len(old)
+                    self._policy.on_remove(key)
+                while self._used + size > self.capacity and self._data:
+                    victim = self._policy.victim()
+                    self._used -= len(self._data.pop(victim))
+                    evicted += 1
+                self._data[key] = value
+                self._used += size
+                self._policy.on_insert(key, size)
+                stored += 1
+                nbytes += size
+        self._stats.add(puts=stored, bytes_in=nbytes, evictions=evicted)
+        return stored
+
+    async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            return [k in self._data for k in keys]
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        removed = 0
+        with self._lock:
+            for key in keys:
+                old = self._data.pop(key, None)
+                if old is not None:
+                    self._used -= len(old)
+                    self._policy.on_remove(key)
+                    removed += 1
+        return removed
+
+    def stats(self) -> TierStats:
+        with self._lock:
+            entries, used = len(self._data), self._used
+        return self._stats.snapshot(entries=entries, bytes_used=used, capacity=self.capacity)
+
+    async def aclose(self) -> None:
+        with self._lock:
+            self._data.clear()
+            self._used = 0

@@ -1,0 +1,392 @@
+"""TieredStore: ordered tiers behind one prefix lookup, with write-behind to slow tiers."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .base import Tier, TierStats
+from .codec import BlobCodec, Flags
+from .errors import CodecError
+from .keys import ChunkHash, Namespace, chunk_key, prefix_chain, sequence_key, whole_key
+
+log = logging.getLogger("kvtier.store")
+
+DEFAULT_QUEUE_LIMIT = 256  # pending background writes (chunks); the oldest is dropped past this
+KNOWN_KEYS_LIMIT = 65536  # keys confirmed present in each background tier, to skip EXISTS probes
+
+PayloadSource = Callable[[int], bytes | bytearray | memoryview]
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """The longest contiguous prefix the tiers hold."""
+
+    matched_tokens: int
+    chunks: list[ChunkHash]
+    tiers: list[str]  # the fastest tier holding each chunk
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class FetchResult:
+    """Verified payloads of a prefix, in chain order."""
+
+    payloads: list[bytes | memoryview]
+    tiers: list[str]
+    n_tokens: int
+    bytes_read: int
+    seconds: float
+
+    @property
+    def n_chunks(self) -> int:
+        return len(self.payloads)
+
+
+@dataclass(frozen=True, slots=True)
+class StoreResult:
+    chunks_total: int
+    chunks_written: int  # new to at least one synchronous tier or queued for a background one
+    bytes_encoded: int
+    seconds: float
+
+
+@dataclass(slots=True)
+class _StoreCounters:
+    corrupt: int = 0
+    dropped_writes: int = 0
+    background_errors: int = 0
+    promotions: int = 0
+
+
+@dataclass(slots=True)
+class _Pending:
+    key: bytes
+    blob: bytes
+    enqueued: float = field(default_factory=time.monotonic)
+
+
+class TieredStore:
+    """Ordered tiers (fastest first) behind one prefix lookup.
+
+    Writes go synchronously to the ``sync`` tiers and through a bounded queue to the background
+    tiers (Redis), so a request never waits on a remote write; when the queue is full the oldest
+    pending write is dropped and counted. Reads verify every blob (``BlobCodec.decode``): a damaged
+    or foreign value is deleted from its tier, counted, and ends the prefix there.
+
+    Args:
+        tiers: tiers in order, fastest first.
+        codec: the one codec every tier's values go through.
+        background: names of tiers written by the background queue (default: tiers named ``redis``).
+        queue_limit: pending background writes before the oldest is dropped.
+    """
+
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        codec: BlobCodec,
+        *,
+        background: Sequence[str] | None = None,
+        queue_limit: int = DEFAULT_QUEUE_LIMIT,
+    ):
+        if not tiers:
+            raise ValueError("a TieredStore needs at least one tier")
+        names = [t.name for t in tiers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"tier names must be unique, got {names}")
+        if queue_limit <= 0:
+            raise ValueError("queue_limit must be positive")
+        self.tiers = list(tiers)
+        self.codec = codec
+        bg = set(background if background is not None else [n for n in names if n == "redis"])
+        unknown = bg - set(names)
+        if unknown:
+            raise ValueError(f"background tiers {sorted(unknown)} are not among the tiers {names}")
+        self._sync = [t for t in self.tiers if t.name not in bg]
+        self._background = [t for t in self.tiers if t.name in bg]
+        self._queue: collections.deque[_Pending] = collections.deque()
+        self._queue_limit = queue_limit
+        self._wakeup: asyncio.Event | None = None
+        self._worker: asyncio.Task[None] | None = None
+        self._idle: asyncio.Event | None = None
+        self._known: dict[str, collections.OrderedDict[bytes, None]] = {
+            t.name: collections.OrderedDict() for t in self._background
+        }
+        self.counters = _StoreCounters()
+
+    # -- lookup and fetch ---------------------------------------------------------------------
+
+    async def lookup(self, namespace: Namespace, tokens: Sequence[int], max_chunks: int | None = None) -> LookupResult:
+        """The longest contiguous run of chunks, from the start, that some tier holds."""
+        chain = prefix_chain(namespace, tokens, max_chunks)
+        return await self.lookup_chain(namespace, chain)
+
+    async def lookup_chain(self, namespace: Namespace, chain: Sequence[ChunkHash]) -> LookupResult:
+        keys = [chunk_key(namespace, h) for h in chain]
+        holder: list[str | None] = [None] * len(keys)
+        for tier in self.tiers:
+            todo = [i for i, h in enumerate(holder) if h is None]
+            if not todo:
+                break
+            try:
+                present = await tier.contains_many([keys[i] for i in todo])
+            except Exception:  # a tier never fails a lookup
+                log.warning("lookup on tier %s failed", tier.name, exc_info=True)
+                continue
+            for i, ok in zip(todo, present):
+                if ok:
+                    holder[i] = tier.name
+        n = next((i for i, h in enumerate(holder) if h is None), len(holder))
+        return LookupResult(n * namespace.chunk_tokens, list(chain[:n]), [h for h in holder[:n] if h])
+
+    async def fetch(self, namespace: Namespace, chain: Sequence[ChunkHash], *, promote: bool = True) -> FetchResult:
+        """Load and verify the chunks of ``chain``, stopping at the first one no tier has intact.
+
+        Hits from lower tiers are written to the synchronous tiers above them (promotion).
+        """
+        t0 = time.perf_counter()
+        keys = [chunk_key(namespace, h) for h in chain]
+        ns_id = namespace.digest[:8]
+        payloads: list[bytes | memoryview | None] = [None] * len(keys)
+        sources: list[str | None] = [None] * len(keys)
+        raw_blobs: dict[int, bytes | memoryview] = {}
+        bytes_read = 0
+        for tier in self.tiers:
+            todo = [i for i, p in enumerate(payloads) if p is None]
+            if not todo:
+                break
+            try:
+                got = await tier.get_many([keys[i] for i in todo])
+            except Exception:
+                log.warning("fetch on tier %s failed", tier.name, exc_info=True)
+                continue
+            corrupt: list[bytes] = []
+            for i in todo:
+                blob = got.get(keys[i])
+                if blob is None:
+                    continue
+                try:
+                    decoded = self.codec.decode(blob, chunk_hash=chain[i], namespace_id=ns_id)
+                except CodecError as exc:
+                    log.warning("damaged chunk %s in tier %s: %s (deleted)", keys[i].decode(), tier.name, exc)
+                    corrupt.append(keys[i])
+                    continue
+                payloads[i] = decoded.payload
+                sources[i] = tier.name
+                raw_blobs[i] = blob
+                bytes_read += len(blob)
+            if corrupt:
+                self.counters.corrupt += len(corrupt)
+                try:
+                    await tier.delete(corrupt)
+                except Exception:
+                    log.warning("could not delete damaged chunks from %s", tier.name, exc_info=True)
+        n = next((i for i, p in enumerate(payloads) if p is None), len(payloads))
+        if promote:
+            await self._promote(keys[:n], sources[:n], raw_blobs)
+        result_payloads = [p for p in payloads[:n] if p is not None]
+        return FetchResult(
+            result_payloads, [s for s in sources[:n] if s], n * namespace.chunk_tokens, bytes_read,
+            time.perf_counter() - t0,
+        )
+
+    async def _promote(self, keys: list[bytes], sources: list[str | None], blobs: dict[int, bytes | memoryview]) -> None:
+        order = {t.name: i for i, t in enumerate(self.tiers)}
+        for tier in self._sync:
+            items = {
+                keys[i]: bytes(blobs[i])
+                for i, src in enumerate(sources)
+                if src is not None and order[src] > order[tier.name]
+            }
+            if items:
+                try:
+                    self.counters.promotions += await tier.put_many(items)
+                except Exception:
+                    log.warning("promotion into %s failed", tier.name, exc_info=True)
+
+    # -- store ----------------------------------------------------------------------------------
+
+    async def store(
+        self,
+        namespace: Namespace,
+        chain: Sequence[ChunkHash],
+        payloads: PayloadSource,
+        *,
+        flags: Flags = Flags.NONE,
+    ) -> StoreResult:
+        """Store the chunks of ``chain`` that are not stored yet.
+
+        ``payloads(i)`` gives chunk ``i``'s payload; it is called only for chunks some tier lacks,
+        so a prefix shared by many sessions is split, encoded and sent once.
+        """
+        t0 = time.perf_counter()
+        keys = [chunk_key(namespace, h) for h in chain]
+        ns_id = namespace.digest[:8]
+        missing_sync: dict[str, set[int]] = {}
+        for tier in self._sync:
+            try:
+                present = await tier.contains_many(keys)
+            except Exception:
+                log.warning("contains on tier %s failed", tier.name, exc_info=True)
+                present = [True] * len(keys)  # a broken tier is not written to
+            missing_sync[tier.name] = {i for i, ok in enumerate(present) if not ok}
+        missing_bg = {
+            t.name: {i for i, k in enumerate(keys) if k not in self._known[t.name]} for t in self._background
+        }
+        needed = sorted(set().union(*missing_sync.values(), *missing_bg.values()))
+        blobs: dict[int, bytes] = {}
+        for i in needed:
+            blobs[i] = self.codec.encode(
+                payloads(i), chunk_hash=chain[i], namespace_id=ns_id,
+                n_tokens=namespace.chunk_tokens, flags=flags,
+            )
+        for tier in self._sync:
+            items = {keys[i]: blobs[i] for i in sorted(missing_sync[tier.name])}
+            if items:
+                try:
+                    await tier.put_many(items)
+                except Exception:
+                    log.warning("put on tier %s failed", tier.name, exc_info=True)
+        if self._background:
+            for i in sorted(set().union(*missing_bg.values())):
+                self._enqueue(_Pending(keys[i], blobs[i]))
+        return StoreResult(len(keys), len(needed), sum(len(b) for b in blobs.values()), time.perf_counter() - t0)
+
+    async def put_raw(self, key: bytes, blob: bytes) -> None:
+        """Write one already encoded value to every tier (sync tiers now, background queued)."""
+        for tier in self._sync:
+            try:
+                await tier.put_many({key: blob})
+            except Exception:
+                log.warning("put on tier %s failed", tier.name, exc_info=True)
+        if self._background:
+            self._enqueue(_Pending(key, blob))
+
+    async def store_whole(self, namespace: Namespace, tokens: Sequence[int], payload: bytes | memoryview) -> bytes:
+        """Store an unsplittable state under the key of its exact token sequence."""
+        h = sequence_key(namespace, tokens)
+        blob = self.codec.encode(payload, chunk_hash=h, namespace_id=namespace.digest[:8],
+                                 n_tokens=len(tokens), flags=Flags.WHOLE)
+        await self.put_raw(whole_key(namespace, h), blob)
+        return h
+
+    async def fetch_whole(self, namespace: Namespace, tokens: Sequence[int]) -> bytes | memoryview | None:
+        """The whole state stored for exactly ``tokens``, or None."""
+        h = sequence_key(namespace, tokens)
+        key = whole_key(namespace, h)
+        for tier in self.tiers:
+            try:
+                got = (await tier.get_many([key])).get(key)
+            except Exception:
+                continue
+            if got is None:
+                continue
+            try:
+                return self.codec.decode(got, chunk_hash=h, namespace_id=namespace.digest[:8]).payload
+            except CodecError:
+                self.counters.corrupt += 1
+                await tier.delete([key])
+        return None
+
+    # -- background writes ----------------------------------------------------------------------
+
+    def _enqueue(self, item: _Pending) -> None:
+        if len(self._queue) >= self._queue_limit:
+            self._queue.popleft()
+            self.counters.dropped_writes += 1
+        self._queue.append(item)
+        self._ensure_worker()
+        assert self._wakeup is not None and self._idle is not None
+        self._idle.clear()
+        self._wakeup.set()
+
+    def _ensure_worker(self) -> None:
+        if self._worker is None or self._worker.done():
+            self._wakeup = asyncio.Event()
+            self._idle = asyncio.Event()
+            self._worker = asyncio.get_running_loop().create_task(self._drain_forever(), name="kvtier-write-behind")
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    async def _drain_forever(self) -> None:
+        assert self._wakeup is not None and self._idle is not None
+        while True:
+            if not self._queue:
+                self._idle.set()
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            batch: list[_Pending] = []
+            size = 0
+            # Batches of ~32 MB keep each pipeline large but bounded.
+            while self._queue and (not batch or size < 32 << 20):
+                item = self._queue.popleft()
+                batch.append(item)
+                size += len(item.blob)
+            for tier in self._background:
+                await self._write_background(tier, batch)
+
+    async def _write_background(self, tier: Tier, batch: list[_Pending]) -> None:
+        known = self._known[tier.name]
+        todo = [p for p in batch if p.key not in known]
+        if not todo:
+            return
+        try:
+            present = await tier.contains_many([p.key for p in todo])
+            items = {p.key: p.blob for p, ok in zip(todo, present) if not ok}
+            if items:
+                await tier.put_many(items)
+        except Exception:
+            self.counters.background_errors += 1
+            log.warning("background write to %s failed", tier.name, exc_info=True)
+            return
+        for p in todo:
+            known[p.key] = None
+        while len(known) > KNOWN_KEYS_LIMIT:
+            known.popitem(last=False)
+
+    def forget_known(self) -> None:
+        """Forget which keys the background tiers were seen to hold (after they lost data)."""
+        for known in self._known.values():
+            known.clear()
+
+    async def flush(self, timeout: float | None = None) -> bool:
+        """Wait until the background queue is empty; False if ``timeout`` ran out first."""
+        if self._worker is None or self._idle is None:
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    # -- stats and lifecycle --------------------------------------------------------------------
+
+    def stats(self) -> dict[str, TierStats]:
+        return {t.name: t.stats() for t in self.tiers}
+
+    async def aclose(self, drain_timeout: float = 5.0) -> None:
+        """Drain pending background writes (bounded by ``drain_timeout``), then close the tiers."""
+        if self._queue:
+            await self.flush(drain_timeout)
+        if self._worker is not None:
+            self._worker.cancel()
+            try:
+                await self._worker
+            except (asyncio.CancelledError, Exception):
+                pass
+            self._worker = None
+        for tier in self.tiers:
+            try:
+                await tier.aclose()
+            except Exception:
+                log.warning("closing tier %s failed", tier.name, exc_info=True)
