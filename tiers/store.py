@@ -16,8 +16,8 @@ from .keys import ChunkHash, Namespace, chunk_key, prefix_chain, sequence_key, w
 
 log = logging.getLogger("kvtier.store")
 
-DEFAULT_QUEUE_LIMIT = 256  # pending background writes (chunks); the oldest is dropped past this
-KNOWN_KEYS_LIMIT = 65536  # keys confirmed present in each background tier, to skip EXISTS probes
+DEFAULT_QUEUE_LIMIT = 32  # pending background jobs (one per stored state); the oldest is dropped past this
+BATCH_BYTES = 32 << 20  # bytes per background pipeline
 
 PayloadSource = Callable[[int], bytes | bytearray | memoryview]
 
@@ -67,9 +67,11 @@ class _StoreCounters:
 
 
 @dataclass(slots=True)
-class _Pending:
-    key: bytes
-    blob: bytes
+class _Job:
+    """One pending background write: keys, and the encoded value of key ``i`` on demand."""
+
+    keys: list[bytes]
+    blob: Callable[[int], bytes]
     enqueued: float = field(default_factory=time.monotonic)
 
 
@@ -111,14 +113,11 @@ class TieredStore:
             raise ValueError(f"background tiers {sorted(unknown)} are not among the tiers {names}")
         self._sync = [t for t in self.tiers if t.name not in bg]
         self._background = [t for t in self.tiers if t.name in bg]
-        self._queue: collections.deque[_Pending] = collections.deque()
+        self._queue: collections.deque[_Job] = collections.deque()
         self._queue_limit = queue_limit
         self._wakeup: asyncio.Event | None = None
         self._worker: asyncio.Task[None] | None = None
         self._idle: asyncio.Event | None = None
-        self._known: dict[str, collections.OrderedDict[bytes, None]] = {
-            t.name: collections.OrderedDict() for t in self._background
-        }
         self.counters = _StoreCounters()
 
     # -- lookup and fetch ---------------------------------------------------------------------
@@ -229,35 +228,35 @@ class TieredStore:
         t0 = time.perf_counter()
         keys = [chunk_key(namespace, h) for h in chain]
         ns_id = namespace.digest[:8]
-        missing_sync: dict[str, set[int]] = {}
+        blobs: dict[int, bytes] = {}
+
+        def blob(i: int) -> bytes:
+            if i not in blobs:
+                blobs[i] = self.codec.encode(payloads(i), chunk_hash=chain[i], namespace_id=ns_id,
+                                             n_tokens=namespace.chunk_tokens, flags=flags)
+            return blobs[i]
+
+        written = set()
         for tier in self._sync:
             try:
                 present = await tier.contains_many(keys)
             except Exception:
                 log.warning("contains on tier %s failed", tier.name, exc_info=True)
-                present = [True] * len(keys)  # a broken tier is not written to
-            missing_sync[tier.name] = {i for i, ok in enumerate(present) if not ok}
-        missing_bg = {
-            t.name: {i for i, k in enumerate(keys) if k not in self._known[t.name]} for t in self._background
-        }
-        needed = sorted(set().union(*missing_sync.values(), *missing_bg.values()))
-        blobs: dict[int, bytes] = {}
-        for i in needed:
-            blobs[i] = self.codec.encode(
-                payloads(i), chunk_hash=chain[i], namespace_id=ns_id,
-                n_tokens=namespace.chunk_tokens, flags=flags,
-            )
-        for tier in self._sync:
-            items = {keys[i]: blobs[i] for i in sorted(missing_sync[tier.name])}
-            if items:
-                try:
-                    await tier.put_many(items)
-                except Exception:
-                    log.warning("put on tier %s failed", tier.name, exc_info=True)
+                continue  # a broken tier is not written to
+            missing = [i for i, ok in enumerate(present) if not ok]
+            if not missing:
+                continue
+            try:
+                await tier.put_many({keys[i]: blob(i) for i in missing})
+                written.update(missing)
+            except Exception:
+                log.warning("put on tier %s failed", tier.name, exc_info=True)
         if self._background:
-            for i in sorted(set().union(*missing_bg.values())):
-                self._enqueue(_Pending(keys[i], blobs[i]))
-        return StoreResult(len(keys), len(needed), sum(len(b) for b in blobs.values()), time.perf_counter() - t0)
+            # The writer probes each background tier itself (EXISTS before SET) and encodes only
+            # what is missing there: a key seen once may be gone by now (TTL, eviction, a restarted
+            # Redis), so nothing is assumed.
+            self._enqueue(_Job(keys, blob))
+        return StoreResult(len(keys), len(written), sum(len(b) for b in blobs.values()), time.perf_counter() - t0)
 
     async def put_raw(self, key: bytes, blob: bytes) -> None:
         """Write one already encoded value to every tier (sync tiers now, background queued)."""
@@ -267,7 +266,7 @@ class TieredStore:
             except Exception:
                 log.warning("put on tier %s failed", tier.name, exc_info=True)
         if self._background:
-            self._enqueue(_Pending(key, blob))
+            self._enqueue(_Job([key], lambda i: blob))
 
     async def store_whole(self, namespace: Namespace, tokens: Sequence[int], payload: bytes | memoryview) -> bytes:
         """Store an unsplittable state under the key of its exact token sequence."""
@@ -280,7 +279,10 @@ class TieredStore:
     async def fetch_whole(self, namespace: Namespace, tokens: Sequence[int]) -> bytes | memoryview | None:
         """The whole state stored for exactly ``tokens``, or None."""
         h = sequence_key(namespace, tokens)
-        key = whole_key(namespace, h)
+        return await self.get_verified(whole_key(namespace, h), h, namespace)
+
+    async def get_verified(self, key: bytes, value_hash: bytes, namespace: Namespace) -> bytes | memoryview | None:
+        """One value from the fastest tier that holds it intact (damaged copies are deleted)."""
         for tier in self.tiers:
             try:
                 got = (await tier.get_many([key])).get(key)
@@ -289,19 +291,29 @@ class TieredStore:
             if got is None:
                 continue
             try:
-                return self.codec.decode(got, chunk_hash=h, namespace_id=namespace.digest[:8]).payload
+                return self.codec.decode(got, chunk_hash=value_hash, namespace_id=namespace.digest[:8]).payload
             except CodecError:
                 self.counters.corrupt += 1
-                await tier.delete([key])
+                try:
+                    await tier.delete([key])
+                except Exception:
+                    log.warning("could not delete a damaged value from %s", tier.name, exc_info=True)
         return None
+
+    async def delete_everywhere(self, keys: Sequence[bytes]) -> None:
+        for tier in self.tiers:
+            try:
+                await tier.delete(keys)
+            except Exception:
+                log.warning("delete on tier %s failed", tier.name, exc_info=True)
 
     # -- background writes ----------------------------------------------------------------------
 
-    def _enqueue(self, item: _Pending) -> None:
+    def _enqueue(self, job: _Job) -> None:
         if len(self._queue) >= self._queue_limit:
             self._queue.popleft()
             self.counters.dropped_writes += 1
-        self._queue.append(item)
+        self._queue.append(job)
         self._ensure_worker()
         assert self._wakeup is not None and self._idle is not None
         self._idle.clear()
@@ -325,39 +337,31 @@ class TieredStore:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            batch: list[_Pending] = []
-            size = 0
-            # Batches of ~32 MB keep each pipeline large but bounded.
-            while self._queue and (not batch or size < 32 << 20):
-                item = self._queue.popleft()
-                batch.append(item)
-                size += len(item.blob)
+            job = self._queue.popleft()
             for tier in self._background:
-                await self._write_background(tier, batch)
+                await self._write_background(tier, job)
 
-    async def _write_background(self, tier: Tier, batch: list[_Pending]) -> None:
-        known = self._known[tier.name]
-        todo = [p for p in batch if p.key not in known]
-        if not todo:
-            return
+    async def _write_background(self, tier: Tier, job: _Job) -> None:
         try:
-            present = await tier.contains_many([p.key for p in todo])
-            items = {p.key: p.blob for p, ok in zip(todo, present) if not ok}
-            if items:
-                await tier.put_many(items)
+            present = await tier.contains_many(job.keys)
+            missing = [i for i, ok in enumerate(present) if not ok]
+            # Pipelines of ~32 MB keep each round trip large but bounded.
+            batch: dict[bytes, bytes] = {}
+            size = 0
+            for n, i in enumerate(missing):
+                value = job.blob(i)
+                batch[job.keys[i]] = value
+                size += len(value)
+                if size >= BATCH_BYTES or n == len(missing) - 1:
+                    stored = await tier.put_many(batch)
+                    if stored < len(batch):
+                        # Tiers report failures as counts, not exceptions (a miss is not an error).
+                        self.counters.background_errors += 1
+                        log.warning("background write to %s stored %d of %d values", tier.name, stored, len(batch))
+                    batch, size = {}, 0
         except Exception:
             self.counters.background_errors += 1
             log.warning("background write to %s failed", tier.name, exc_info=True)
-            return
-        for p in todo:
-            known[p.key] = None
-        while len(known) > KNOWN_KEYS_LIMIT:
-            known.popitem(last=False)
-
-    def forget_known(self) -> None:
-        """Forget which keys the background tiers were seen to hold (after they lost data)."""
-        for known in self._known.values():
-            known.clear()
 
     async def flush(self, timeout: float | None = None) -> bool:
         """Wait until the background queue is empty; False if ``timeout`` ran out first."""

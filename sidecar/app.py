@@ -1,0 +1,175 @@
+"""``create_app(settings)``: the sidecar as an aiohttp application."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import tempfile
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from integrations.llama_server import LlamaServerClient, LlamaServerError
+from tiers.codec import BlobCodec
+from tiers.memory import MemoryTier
+from tiers.store import TieredStore
+
+from .appkeys import ENGINE, HTTP, METRICS, REDIS, SETTINGS, STORE
+from .config import Settings
+from .engine import KVEngine
+from .metrics import Metrics
+from .proxy import COMPLETION_KINDS, handle_completion, passthrough
+
+log = logging.getLogger("kvtier.app")
+
+HEALTH_INTERVAL_S = 2.0
+
+
+def json_error(status: int, message: str, code: str | None = None) -> web.Response:
+    """Every error the sidecar itself answers: ``{"error": {"code", "message"}}``."""
+    return web.json_response({"error": {"code": code or str(status), "message": message}}, status=status)
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.content_type == "application/json" or exc.status < 400:
+            raise
+        return json_error(exc.status, exc.reason if not exc.text or exc.text.startswith(f"{exc.status}:") else exc.text)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return json_error(500, "internal error in kvtier (see its log)")
+
+
+def build_store(settings: Settings) -> tuple[TieredStore, Any]:
+    tiers: list[Any] = [MemoryTier(settings.cache_size, policy=settings.eviction)]
+    if settings.shared_dir:
+        from tiers.shared import SharedTier
+
+        tiers.append(SharedTier(settings.shared_dir, settings.shared_size))
+    redis = None
+    if settings.redis_url:
+        from tiers.redis_tier import RedisTier
+
+        redis = RedisTier(settings.redis_url, username=settings.redis_username, password=settings.redis_password,
+                          ttl=settings.ttl or None, node_id=settings.node_id)
+        tiers.append(redis)
+    store = TieredStore(tiers, BlobCodec(settings.compress), queue_limit=settings.queue_limit)
+    return store, redis
+
+
+async def _resources(app: web.Application) -> AsyncIterator[None]:
+    settings = app[SETTINGS]
+    session = aiohttp.ClientSession(
+        auto_decompress=False,  # relay bytes unchanged, encoding included
+        timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=None),
+    )
+    store, redis = build_store(settings)
+    metrics = app[METRICS]
+    metrics.attach_store(store)
+    engine = KVEngine(settings, LlamaServerClient(settings.llama_url, session), store, metrics, events=redis)
+    app[HTTP] = session
+    app[STORE] = store
+    app[REDIS] = redis
+    app[ENGINE] = engine
+    monitor = asyncio.get_running_loop().create_task(_watch_llama_server(engine), name="kvtier-health")
+    try:
+        yield
+    finally:
+        monitor.cancel()
+        drained = await engine.drain(settings.shutdown_timeout)
+        if not drained:
+            log.warning("shutdown: pending slot saves did not finish in %.0fs", settings.shutdown_timeout)
+        await store.aclose(drain_timeout=settings.shutdown_timeout)
+        await session.close()
+
+
+async def _watch_llama_server(engine: KVEngine) -> None:
+    """Notice a llama-server restart: its slots come back empty, so the slot table is rebuilt."""
+    was_up = True
+    while True:
+        await asyncio.sleep(HEALTH_INTERVAL_S)
+        try:
+            await engine.client.health()
+            up = True
+        except LlamaServerError:
+            up = False
+        if up and not was_up:
+            log.info("llama-server is back: relearning its slots")
+            engine.forget_slots()
+            await engine.ensure_ready()
+        elif up and not engine.ready:
+            await engine.ensure_ready()
+        was_up = up
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def readyz(request: web.Request) -> web.Response:
+    engine = request.app[ENGINE]
+    checks: dict[str, Any] = {}
+    try:
+        await engine.client.health()
+        checks["llama_server"] = "ok"
+    except LlamaServerError as exc:
+        checks["llama_server"] = str(exc)
+    checks["slot_dir"] = _dir_writable(str(engine.slot_dir))
+    checks["kv_cache"] = "ok" if await engine.ensure_ready() else f"not ready: {engine.last_error}"
+    redis = request.app[REDIS]
+    if redis is not None:
+        checks["redis"] = "ok" if await redis.ping() else "unavailable (serving from local tiers)"
+    ready = checks["llama_server"] == "ok" and checks["slot_dir"] == "ok"
+    return web.json_response({"ready": ready, "checks": checks}, status=200 if ready else 503)
+
+
+def _dir_writable(path: str) -> str:
+    try:
+        with tempfile.NamedTemporaryFile(dir=path, prefix="kvtier-ready-"):
+            pass
+        return "ok"
+    except OSError as exc:
+        return f"not writable: {exc.strerror}"
+
+
+async def metrics_endpoint(request: web.Request) -> web.Response:
+    metrics = request.app[METRICS]
+    redis = request.app[REDIS]
+    if redis is not None:
+        metrics.redis_circuit.set(0 if redis.stats().available else 1)
+    return web.Response(body=metrics.render(), content_type="text/plain", charset="utf-8")
+
+
+async def catch_all(request: web.Request) -> web.StreamResponse:
+    return await passthrough(request)
+
+
+def create_app(settings: Settings) -> web.Application:
+    """The sidecar: KV flow on completion routes, health/metrics, everything else passed through."""
+    app = web.Application(middlewares=[error_middleware], client_max_size=settings.max_body)
+    app[SETTINGS] = settings
+    app[METRICS] = Metrics()
+    app.cleanup_ctx.append(_resources)
+    routes = [web.get("/healthz", healthz), web.get("/readyz", readyz), web.get("/metrics", metrics_endpoint)]
+    routes += [web.post(path, handle_completion) for path in COMPLETION_KINDS]
+    routes.append(web.route("*", "/{tail:.*}", catch_all))
+    app.add_routes(routes)
+    return app
+
+
+def run(settings: Settings) -> None:
+    host, port = settings.host_port
+    web.run_app(create_app(settings), host=host, port=port, shutdown_timeout=settings.shutdown_timeout,
+                access_log=None, print=None)
+
+
+def effective_config(settings: Settings) -> str:
+    return json.dumps(settings.redacted(), sort_keys=True)

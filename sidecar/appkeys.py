@@ -1,0 +1,19 @@
+"""Typed application keys shared by the sidecar's modules."""
+
+from __future__ import annotations
+
+import aiohttp
+from aiohttp import web
+
+from tiers.store import TieredStore
+
+from .config import Settings
+from .engine import KVEngine
+from .metrics import Metrics
+
+SETTINGS = web.AppKey("settings", Settings)
+METRICS = web.AppKey("metrics", Metrics)
+HTTP = web.AppKey("http", aiohttp.ClientSession)
+STORE = web.AppKey("store", TieredStore)
+ENGINE = web.AppKey("engine", KVEngine)
+REDIS = web.AppKey("redis", object)  # RedisTier or None

@@ -1,0 +1,113 @@
+"""The ``kvtier`` command: serve, demo, state inspect, bench, sessions, stats."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+
+from tiers.errors import ConfigError, KVTierError
+
+USAGE = """usage: kvtier <command> [options]
+
+commands:
+  serve              run the sidecar in front of llama-server (kvtier serve --help)
+  demo               rolling-update demo: two llama-servers, two sidecars, Valkey
+  state inspect F    describe a llama.cpp sequence-state file (--json)
+  bench NAME         benchmarks: tiers, state, hop, overhead
+"""
+
+
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
+               "msg": record.getMessage()}
+        request_id = getattr(record, "request_id", None)
+        if request_id:
+            out["request_id"] = request_id
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def setup_logging(fmt: str = "text", level: str | None = None) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level or os.environ.get("KVTIER_LOG_LEVEL", "INFO"))
+
+
+def cmd_serve(argv: Sequence[str]) -> int:
+    from .app import effective_config, run
+    from .config import load_settings
+
+    try:
+        settings = load_settings(argv)
+        _check_slot_dir(settings.slot_dir or "")
+    except ConfigError as exc:
+        print(f"kvtier serve: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(settings.log_format)
+    logging.getLogger("kvtier").info("effective config: %s", effective_config(settings))
+    run(settings)
+    return 0
+
+
+def _check_slot_dir(path: str) -> None:
+    if not os.path.isdir(path):
+        raise ConfigError(f"slot_dir {path!r} does not exist or is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"slot_dir {path!r} is not writable")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    try:
+        if command == "serve":
+            return cmd_serve(rest)
+        if command == "state" and rest[:1] == ["inspect"]:
+            from integrations.statefile import inspect_main
+
+            return inspect_main(rest[1:])
+        if command == "demo":
+            from .demo import main as demo_main
+
+            return demo_main(rest)
+        if command == "bench" and rest:
+            return _bench(rest[0], rest[1:])
+    except KVTierError as exc:
+        print(f"kvtier {command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    print(USAGE, file=sys.stderr)
+    return 2
+
+
+def _bench(name: str, argv: list[str]) -> int:
+    import importlib
+
+    modules = {"tiers": "bench.tiers", "state": "bench.state", "hop": "bench.hop", "overhead": "bench.overhead"}
+    if name not in modules:
+        print(f"kvtier bench: unknown benchmark {name!r}; choose one of {', '.join(modules)}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(modules[name])
+    t0 = time.perf_counter()
+    rc = int(module.main(argv) or 0)
+    print(f"(bench {name}: {time.perf_counter() - t0:.1f} s)", file=sys.stderr)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""Restore or recompute: a cost model learned online from real timings.
+
+recompute_s = tokens / prefill_rate
+restore_s   = overhead + bytes / fetch_bw (per source tier) + bytes / restore_bw
+
+Rates are exponentially weighted moving averages of what this node measured, starting from
+priors. A restore is chosen only when it is predicted to be clearly faster (``margin``), so a
+short prefix or a fast GPU prefill is recomputed.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+
+class Ewma:
+    def __init__(self, prior: float, alpha: float = 0.3):
+        self.value = prior
+        self.alpha = alpha
+        self.samples = 0
+
+    def update(self, sample: float) -> None:
+        if sample <= 0:
+            return
+        # The first real sample replaces the prior outright: priors are guesses, samples are facts.
+        self.value = sample if self.samples == 0 else (1 - self.alpha) * self.value + self.alpha * sample
+        self.samples += 1
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    restore: bool
+    tokens: int
+    predicted_restore_s: float
+    predicted_recompute_s: float
+    reason: str
+
+
+class CostModel:
+    """Args: prefill_tps: prior tokens/s; restore_gbps: prior end-to-end restore GB/s."""
+
+    FIXED_OVERHEAD_S = 0.010  # file write + HTTP round trip of a restore, measured ~5-10 ms here
+
+    def __init__(self, prefill_tps: float = 300.0, restore_gbps: float = 0.5, margin: float = 0.8,
+                 min_tokens: int = 0):
+        self.prefill_tps = Ewma(prefill_tps)
+        self.fetch_bps: dict[str, Ewma] = {}
+        self.restore_bps = Ewma(restore_gbps * 1e9)
+        self._fetch_prior = restore_gbps * 1e9
+        self.margin = margin
+        self.min_tokens = min_tokens
+        self._lock = threading.Lock()
+
+    def observe_prefill(self, tokens: int, ms: float) -> None:
+        # Tiny prefills are dominated by fixed costs and would teach a wrong rate.
+        if tokens >= 32 and ms > 0:
+            with self._lock:
+                self.prefill_tps.update(tokens / (ms / 1000))
+
+    def observe_fetch(self, tier: str, nbytes: int, seconds: float) -> None:
+        if nbytes >= 1 << 20 and seconds > 0:
+            with self._lock:
+                self.fetch_bps.setdefault(tier, Ewma(self._fetch_prior)).update(nbytes / seconds)
+
+    def observe_restore(self, nbytes: int, seconds: float) -> None:
+        if nbytes >= 1 << 20 and seconds > 0:
+            with self._lock:
+                self.restore_bps.update(nbytes / seconds)
+
+    def decide(self, tokens: int, bytes_by_tier: dict[str, int]) -> Decision:
+        """Should ``tokens`` be restored (reading ``bytes_by_tier``) instead of recomputed?"""
+        with self._lock:
+            recompute = tokens / self.prefill_tps.value
+            total = sum(bytes_by_tier.values())
+            fetch = sum(n / self.fetch_bps.get(t, Ewma(self._fetch_prior)).value for t, n in bytes_by_tier.items())
+            restore = self.FIXED_OVERHEAD_S + fetch + total / self.restore_bps.value
+        if tokens <= 0:
+            return Decision(False, 0, restore, recompute, "nothing to restore")
+        if tokens < self.min_tokens:
+            return Decision(False, tokens, restore, recompute, "below restore_min_tokens")
+        if restore < recompute * self.margin:
+            return Decision(True, tokens, restore, recompute, "restore is faster")
+        return Decision(False, tokens, restore, recompute, "recompute is faster")
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            out = {"prefill_tps": self.prefill_tps.value, "restore_bps": self.restore_bps.value}
+            out.update({f"fetch_bps_{t}": e.value for t, e in self.fetch_bps.items()})
+        return out

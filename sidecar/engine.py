@@ -1,0 +1,353 @@
+"""Automatic mode: the KV flow around one completion request.
+
+prepare(): render + tokenize -> slot choice -> longest prefix in the tiers -> cost model ->
+fetch + assemble + restore into the slot. finish(): after the answer was delivered, save the slot,
+split it, store the chunks no tier holds yet, publish an event, release the slot.
+
+Every cache step is best-effort: any failure is logged and counted, and the request goes on as an
+ordinary recompute (llama-server compares the slot's tokens with the prompt itself, so a slot that
+holds less than we hoped only costs time, never correctness).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from integrations.chunks import assemble_state, split_state
+from integrations.fingerprint import layout_fingerprint, model_identity
+from integrations.llama_server import LlamaServerClient, LlamaServerError, Timings, prefix_reused
+from integrations.statefile import SeqState, parse_state
+from tiers.errors import KVTierError
+from tiers.keys import ChunkHash, Namespace, as_token_array, chunk_key, events_channel, prefix_chain
+from tiers.store import TieredStore
+
+from .config import Settings
+from .costmodel import CostModel
+from .metrics import Metrics
+from .slots import Lease, SlotTable
+
+log = logging.getLogger("kvtier.engine")
+
+FILE_PREFIX = "kvtier-"  # every file kvtier writes into the slot dir; names never come from clients
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What kvtier learned about its llama-server at start-up (or after it restarted)."""
+
+    n_slots: int
+    n_stream: int
+    v_trans: bool
+    model_id: str
+    namespace: Namespace
+    bytes_per_token: int
+    n_ctx_slot: int
+
+
+@dataclass(slots=True)
+class RequestPlan:
+    """One request's cache work: its tokens, its slot, and what was restored."""
+
+    tokens: np.ndarray
+    lease: Lease
+    namespace: Namespace
+    restored_tokens: int = 0
+    restore_tier: str = ""
+    restore_ms: float = 0.0
+    overhead_ms: float = 0.0
+
+
+class KVEngine:
+    def __init__(self, settings: Settings, client: LlamaServerClient, store: TieredStore, metrics: Metrics,
+                 events: Any | None = None):
+        self.settings = settings
+        self.client = client
+        self.store = store
+        self.metrics = metrics
+        self.events = events  # a RedisTier (publish) or None
+        self.cost = CostModel(settings.prefill_tps_prior, settings.restore_gbps_prior,
+                              min_tokens=settings.restore_min_tokens)
+        self.slot_dir = Path(settings.slot_dir or ".")
+        self.target: Target | None = None
+        self.slots: SlotTable | None = None
+        self._probe_lock = asyncio.Lock()
+        self._pending: set[asyncio.Task[None]] = set()
+        self.last_error = ""
+        self._warned_unsplittable = False
+
+    # -- start-up -------------------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return self.target is not None
+
+    async def ensure_ready(self) -> bool:
+        """Probe llama-server if not done yet; False while it cannot be probed."""
+        if self.target is not None:
+            return True
+        async with self._probe_lock:
+            if self.target is not None:
+                return True
+            try:
+                await self.probe()
+            except (KVTierError, OSError, ValueError) as exc:
+                self.last_error = str(exc)
+                log.warning("llama-server not ready for caching: %s", exc)
+                return False
+        return True
+
+    async def probe(self) -> None:
+        """Learn slots, n_stream, V layout and KV layout; rebuild the slot table.
+
+        Saves each slot once (an empty slot's file is a few dozen bytes and tells ``n_stream``; a
+        full one also tells the layout and what the slot holds). When every slot is empty, one
+        1-token completion fills slot 0 so the layout can be read, and the slot is erased again.
+        Checks on the way that the slot dir is the directory llama-server writes to.
+        """
+        props = await self.client.props()
+        n_slots = int(props.get("total_slots") or 0)
+        if n_slots <= 0:
+            raise LlamaServerError("llama-server reports no slots")
+        model_path = str(props.get("model_path") or "")
+        model_id = self._model_id(model_path, props)
+        table = SlotTable(n_slots)
+        layout_state: SeqState | None = None
+        n_stream = 0
+        for slot in range(n_slots):
+            state = await self._save_and_read(slot, "probe")
+            n_stream = state.n_stream or n_stream
+            if state.layout is not None:
+                layout_state = layout_state or state
+                if state.splittable:
+                    table.set_tokens(slot, state.tokens.tokens.copy())
+        if layout_state is None:
+            await self.client.completion({"prompt": "kvtier", "n_predict": 1, "id_slot": 0, "cache_prompt": True,
+                                          "temperature": 0})
+            layout_state = await self._save_and_read(0, "probe")
+            await self.client.erase_slot(0)
+        layout = layout_state.layout
+        if layout is None or layout_state.v_trans is None:
+            raise LlamaServerError("could not learn the KV layout from a saved slot")
+        ns = Namespace(layout_fingerprint(model_id, layout), chunk_tokens=self.settings.chunk_tokens)
+        n_ctx = int(props.get("default_generation_settings", {}).get("n_ctx") or 0)
+        self.target = Target(n_slots, n_stream or 1, bool(layout_state.v_trans), model_id, ns,
+                             layout.bytes_per_token, n_ctx)
+        self.slots = table
+        log.info("llama-server: %d slots, n_stream %d, v_trans %s, %d bytes/token, namespace %s",
+                 n_slots, self.target.n_stream, self.target.v_trans, layout.bytes_per_token, ns.id)
+
+    def _model_id(self, model_path: str, props: Mapping[str, Any]) -> str:
+        if self.settings.model_id:
+            return "id:" + self.settings.model_id
+        path = self.settings.model or model_path
+        if path and os.path.isfile(path):
+            return model_identity(path)
+        # The sidecar cannot read the model file: fall back to what llama-server says of it. Two
+        # fine-tunes of one base with the same file name would collide, hence the warning.
+        log.warning("model file %r not readable here; identity from llama-server's metadata "
+                    "(set --model or --model-id to be exact)", path)
+        return "meta:" + "|".join(str(props.get(k, "")) for k in ("model_path", "model_ftype", "bos_token",
+                                                                  "eos_token", "chat_template"))
+
+    async def _save_and_read(self, slot: int, purpose: str) -> SeqState:
+        name = f"{FILE_PREFIX}{purpose}-{slot}-{uuid.uuid4().hex[:12]}.bin"
+        path = self.slot_dir / name
+        try:
+            await self.client.save_slot(slot, name)
+            try:
+                data = await asyncio.to_thread(path.read_bytes)
+            except FileNotFoundError:
+                raise KVTierError(
+                    f"llama-server saved slot {slot} but {path} does not exist: --slot-dir must be the "
+                    "directory llama-server was given as --slot-save-path"
+                ) from None
+            return parse_state(data)
+        finally:
+            path.unlink(missing_ok=True)
+
+    # -- before the request ---------------------------------------------------------------------
+
+    async def tokens_for(self, kind: str, body: Mapping[str, Any]) -> np.ndarray | None:
+        """The prompt tokens the server will see, or None when this request is not cacheable."""
+        if kind == "chat":
+            if not isinstance(body.get("messages"), list):
+                return None
+            prompt: Any = await self.client.apply_template(body)
+        else:
+            prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            return as_token_array(await self.client.tokenize(prompt))
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return as_token_array(prompt)
+        return None  # several prompts, mixed or multimodal input: passed through uncached
+
+    async def prepare(self, tokens: np.ndarray, *, want_slot: int | None = None,
+                      salt: str = "", timeout: float | None = None) -> RequestPlan:
+        """Take a slot for ``tokens`` and restore the longest worthwhile prefix into it."""
+        assert self.target is not None and self.slots is not None
+        t0 = time.perf_counter()
+        self.metrics.slot_queue.set(self.slots.queue_depth + 1)
+        lease = await self.slots.acquire(tokens, want=want_slot, timeout=timeout)
+        self.metrics.slot_queue.set(self.slots.queue_depth)
+        ns = self.target.namespace.salted(salt) if salt else self.target.namespace
+        plan = RequestPlan(tokens, lease, ns)
+        t1 = time.perf_counter()
+        try:
+            await self._restore(plan)
+        except Exception as exc:  # best-effort: the request goes on as a recompute
+            self.metrics.cache_errors.labels("restore").inc()
+            log.warning("restore into slot %d failed, recomputing: %s", lease.slot, exc)
+            self.slots.set_tokens(lease.slot, np.zeros(0, np.int32))
+        plan.overhead_ms = ((t1 - t0) - lease.waited_s + (time.perf_counter() - t1)) * 1000
+        self.metrics.overhead_seconds.observe(plan.overhead_ms / 1000)
+        self.metrics.tokens_slot_reused.inc(lease.cached_tokens)
+        return plan
+
+    async def _restore(self, plan: RequestPlan) -> None:
+        assert self.target is not None and self.slots is not None
+        C = plan.namespace.chunk_tokens
+        cached = plan.lease.cached_tokens
+        max_chunks = max(plan.tokens.size - 1, 0) // C  # leave one token to evaluate: fresh logits
+        if self.target.n_ctx_slot:
+            max_chunks = min(max_chunks, (self.target.n_ctx_slot - 1) // C)
+        if max_chunks * C <= cached:
+            return
+        chain = prefix_chain(plan.namespace, plan.tokens, max_chunks)
+        found = await self.store.lookup_chain(plan.namespace, chain)
+        gain = found.matched_tokens - cached
+        if gain < C:
+            return
+        chunk_bytes = C * self.target.bytes_per_token
+        by_tier: dict[str, int] = {}
+        for tier in found.tiers:
+            by_tier[tier] = by_tier.get(tier, 0) + chunk_bytes
+        decision = self.cost.decide(gain, by_tier)
+        self.metrics.decisions.labels("restore" if decision.restore else "recompute").inc()
+        if not decision.restore:
+            log.info("slot %d: recompute %d tokens (%s: %.0f ms vs %.0f ms)", plan.lease.slot, gain,
+                     decision.reason, decision.predicted_recompute_s * 1e3, decision.predicted_restore_s * 1e3)
+            return
+        t0 = time.perf_counter()
+        fetched = await self.store.fetch(plan.namespace, found.chunks)
+        if fetched.n_tokens <= cached:
+            self.metrics.restores.labels("none", "miss").inc()
+            return
+        for tier in set(fetched.tiers):
+            share = fetched.tiers.count(tier) / max(fetched.n_chunks, 1)
+            self.cost.observe_fetch(tier, int(fetched.bytes_read * share), fetched.seconds * share)
+        data = assemble_state(fetched.payloads, plan.tokens, v_trans=self.target.v_trans,
+                              n_stream=self.target.n_stream)
+        t_restore = time.perf_counter()
+        await self._restore_file(plan.lease.slot, data)
+        restore_s = time.perf_counter() - t_restore
+        self.cost.observe_restore(len(data), restore_s)
+        self.slots.set_tokens(plan.lease.slot, plan.tokens[: fetched.n_tokens].copy())
+        plan.restored_tokens = fetched.n_tokens
+        plan.restore_tier = max(set(fetched.tiers), key=[t.name for t in self.store.tiers].index)
+        plan.restore_ms = (time.perf_counter() - t0) * 1000
+        self.metrics.restores.labels(plan.restore_tier, "ok").inc()
+        self.metrics.restore_seconds.observe(plan.restore_ms / 1000)
+        self.metrics.bytes_restored.inc(len(data))
+        self.metrics.tokens_restored.inc(fetched.n_tokens - cached)
+        log.info("slot %d: restored %d tokens from %s in %.1f ms", plan.lease.slot, fetched.n_tokens,
+                 plan.restore_tier, plan.restore_ms)
+
+    async def _restore_file(self, slot: int, data: bytes | bytearray) -> None:
+        name = f"{FILE_PREFIX}restore-{slot}-{uuid.uuid4().hex[:12]}.bin"
+        path = self.slot_dir / name
+        try:
+            await asyncio.to_thread(path.write_bytes, data)
+            await self.client.restore_slot(slot, name)
+        finally:
+            path.unlink(missing_ok=True)
+
+    # -- after the request ----------------------------------------------------------------------
+
+    def finish(self, plan: RequestPlan, *, ok: bool, timings: Timings | None) -> None:
+        """Account for the answer, then save the slot in the background and release it."""
+        if timings is not None:
+            self.metrics.tokens_recomputed.inc(timings.prompt_n)
+            self.cost.observe_prefill(timings.prompt_n, timings.prompt_ms)
+            if plan.restored_tokens and not prefix_reused(timings, plan.tokens.size, plan.restored_tokens):
+                self.metrics.reuse_failures.inc()
+                log.warning("slot %d: restored %d tokens but the server recomputed %d of %d",
+                            plan.lease.slot, plan.restored_tokens, timings.prompt_n, plan.tokens.size)
+        task = asyncio.get_running_loop().create_task(self._save_then_release(plan, ok))
+        self._pending.add(task)
+        self.metrics.pending_saves.set(len(self._pending))
+        task.add_done_callback(self._pending.discard)
+
+    async def _save_then_release(self, plan: RequestPlan, ok: bool) -> None:
+        assert self.slots is not None
+        try:
+            if ok:
+                await self.save_slot(plan.lease.slot, plan.namespace)
+            else:
+                # Nothing from a failed request is cached; what the slot holds now is unknown.
+                self.slots.set_tokens(plan.lease.slot, np.zeros(0, np.int32))
+        except Exception as exc:
+            self.metrics.cache_errors.labels("save").inc()
+            log.warning("saving slot %d failed: %s", plan.lease.slot, exc)
+            self.slots.set_tokens(plan.lease.slot, np.zeros(0, np.int32))
+        finally:
+            self.slots.release(plan.lease.slot)
+            self.metrics.pending_saves.set(max(len(self._pending) - 1, 0))
+
+    async def save_slot(self, slot: int, namespace: Namespace, *, tail: bool = False) -> tuple[SeqState, Any]:
+        """Save ``slot``, store its chunks (only the new ones), and record what it holds."""
+        assert self.slots is not None
+        t0 = time.perf_counter()
+        state = await self._save_and_read(slot, "save")
+        tokens = state.tokens.tokens
+        self.slots.set_tokens(slot, tokens.copy())
+        result = None
+        if state.splittable:
+            chain = prefix_chain(namespace, tokens)
+            cache: dict[int, Any] = {}
+
+            def payload(i: int) -> Any:
+                if i not in cache:
+                    split = split_state(state, namespace.chunk_tokens, first_chunk=i)
+                    cache.update({split.first_chunk + j: p for j, p in enumerate(split.chunks)})
+                return cache[i]
+
+            result = await self.store.store(namespace, chain, payload)
+            self.metrics.bytes_saved.inc(result.bytes_encoded)
+            if result.chunks_written and self.events is not None:
+                await self._publish_stored(namespace, chain[-result.chunks_written:])
+        elif state.n_tokens and not self._warned_unsplittable:
+            # Prefix restore needs chunks; such states are kept only by explicit session saves.
+            self._warned_unsplittable = True
+            log.warning("slot states cannot be split into prefix chunks (%s): automatic restore is off",
+                        state.split_reason)
+        self.metrics.save_seconds.observe(time.perf_counter() - t0)
+        return state, result
+
+    async def _publish_stored(self, namespace: Namespace, chain: list[ChunkHash]) -> None:
+        try:
+            await self.events.publish_chunks_stored(  # type: ignore[union-attr]
+                events_channel(namespace), [chunk_key(namespace, h) for h in chain]
+            )
+        except Exception as exc:
+            log.debug("publishing an event failed: %s", exc)
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait for pending saves (graceful shutdown)."""
+        if not self._pending:
+            return True
+        _, pending = await asyncio.wait(set(self._pending), timeout=timeout)
+        return not pending
+
+    def forget_slots(self) -> None:
+        """llama-server restarted: its slots are empty, and the layout must be learned again."""
+        self.target = None

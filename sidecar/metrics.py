@@ -1,0 +1,73 @@
+"""Prometheus metrics of one sidecar (own registry, so several apps can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from tiers.store import TieredStore
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class _TierCollector:
+    """Per-tier counters read from the store at scrape time (no double bookkeeping)."""
+
+    def __init__(self, store: TieredStore):
+        self.store = store
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        stats = self.store.stats()
+        hits = CounterMetricFamily("kvtier_tier_hits", "Chunks found per tier", labels=["tier"])
+        misses = CounterMetricFamily("kvtier_tier_misses", "Chunks not found per tier", labels=["tier"])
+        evictions = CounterMetricFamily("kvtier_tier_evictions", "Chunks evicted per tier", labels=["tier"])
+        errors = CounterMetricFamily("kvtier_tier_errors", "Failed tier operations", labels=["tier"])
+        bytes_in = CounterMetricFamily("kvtier_tier_bytes_written", "Bytes written per tier", labels=["tier"])
+        bytes_out = CounterMetricFamily("kvtier_tier_bytes_read", "Bytes read per tier", labels=["tier"])
+        used = GaugeMetricFamily("kvtier_tier_bytes_used", "Bytes held per tier", labels=["tier"])
+        entries = GaugeMetricFamily("kvtier_tier_entries", "Entries held per tier", labels=["tier"])
+        up = GaugeMetricFamily("kvtier_tier_available", "1 when the tier is usable (circuit closed)", labels=["tier"])
+        for name, st in stats.items():
+            hits.add_metric([name], st.hits)
+            misses.add_metric([name], st.misses)
+            evictions.add_metric([name], st.evictions)
+            errors.add_metric([name], st.errors)
+            bytes_in.add_metric([name], st.bytes_in)
+            bytes_out.add_metric([name], st.bytes_out)
+            used.add_metric([name], st.bytes_used)
+            entries.add_metric([name], st.entries)
+            up.add_metric([name], 1 if st.available else 0)
+        yield from (hits, misses, evictions, errors, bytes_in, bytes_out, used, entries, up)
+        c = self.store.counters
+        yield CounterMetricFamily("kvtier_corrupt_chunks", "Damaged or foreign chunks found and deleted", value=c.corrupt)
+        yield CounterMetricFamily("kvtier_dropped_writes", "Background writes dropped (queue full)", value=c.dropped_writes)
+        yield CounterMetricFamily("kvtier_background_write_errors", "Failed background writes", value=c.background_errors)
+        yield GaugeMetricFamily("kvtier_write_queue_depth", "Pending background writes", value=self.store.queue_depth)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvtier_requests", "Completion requests by path and outcome", ["path", "outcome"], registry=r)
+        self.tokens_restored = Counter("kvtier_tokens_restored", "Prompt tokens restored from the tiers", registry=r)
+        self.tokens_recomputed = Counter("kvtier_tokens_recomputed", "Prompt tokens llama-server computed (prompt_n)", registry=r)
+        self.tokens_slot_reused = Counter("kvtier_tokens_slot_reused", "Prompt tokens already in the chosen slot", registry=r)
+        self.restores = Counter("kvtier_restores", "Restores by source tier and outcome", ["tier", "outcome"], registry=r)
+        self.decisions = Counter("kvtier_cost_decisions", "Cost-model decisions", ["decision"], registry=r)
+        self.cache_errors = Counter("kvtier_cache_errors", "Cache failures that fell back to recompute", ["stage"], registry=r)
+        self.reuse_failures = Counter("kvtier_restore_not_reused", "Restores after which prompt_n showed a re-prefill", registry=r)
+        self.restore_seconds = Histogram("kvtier_restore_seconds", "Fetch + assemble + restore", buckets=LATENCY_BUCKETS, registry=r)
+        self.save_seconds = Histogram("kvtier_save_seconds", "Slot save + split + store", buckets=LATENCY_BUCKETS, registry=r)
+        self.overhead_seconds = Histogram("kvtier_overhead_seconds", "Sidecar time before forwarding", buckets=LATENCY_BUCKETS, registry=r)
+        self.bytes_restored = Counter("kvtier_bytes_restored", "State bytes restored into llama-server", registry=r)
+        self.bytes_saved = Counter("kvtier_bytes_saved", "New chunk bytes stored", registry=r)
+        self.slot_queue = Gauge("kvtier_slot_queue_depth", "Requests waiting for a slot", registry=r)
+        self.pending_saves = Gauge("kvtier_pending_saves", "Slot saves not finished yet", registry=r)
+        self.redis_circuit = Gauge("kvtier_redis_circuit_open", "1 while the Redis circuit breaker is open", registry=r)
+
+    def attach_store(self, store: TieredStore) -> None:
+        self.registry.register(_TierCollector(store))  # type: ignore[arg-type]
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,142 @@
+"""What each llama-server slot holds, and who may use it.
+
+Each slot is used by one request at a time (a per-slot lock, held through the request and the save
+that follows it). More requests than slots wait in one FIFO queue, so they are served in arrival
+order; a waiter is handed the best idle slot for its own prompt when its turn comes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the common prefix of two int32 token arrays (vectorised)."""
+    n = min(a.size, b.size)
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+@dataclass(slots=True)
+class Slot:
+    id: int
+    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
+    busy: bool = False
+    last_used: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """A slot granted to one request; give it back with ``SlotTable.release``."""
+
+    slot: int
+    cached_tokens: int  # tokens of the request's prompt the slot already holds
+    waited_s: float
+
+
+class SlotTable:
+    """Slot choice: the idle slot with the longest common prefix, else the least recently used one."""
+
+    def __init__(self, n_slots: int, clock: Callable[[], float] = time.monotonic):
+        if n_slots <= 0:
+            raise ValueError("n_slots must be positive")
+        self.slots = [Slot(i) for i in range(n_slots)]
+        self._clock = clock
+        self._waiters: collections.deque[tuple[asyncio.Future[Lease], np.ndarray, int | None]] = collections.deque()
+
+    @property
+    def n_slots(self) -> int:
+        return len(self.slots)
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiters)
+
+    def _choose(self, tokens: np.ndarray, want: int | None) -> Lease | None:
+        idle = [s for s in self.slots if not s.busy and (want is None or s.id == want)]
+        if not idle:
+            return None
+        scored = [(common_prefix(s.tokens, tokens), -s.last_used, s) for s in idle]
+        best_prefix, _, best = max(scored, key=lambda x: (x[0], x[1]))
+        if best_prefix == 0:
+            best = min(idle, key=lambda s: s.last_used)
+        best.busy = True
+        best.last_used = self._clock()
+        return Lease(best.id, best_prefix if best_prefix else 0, 0.0)
+
+    async def acquire(self, tokens: np.ndarray, *, want: int | None = None, timeout: float | None = None) -> Lease:
+        """A slot for ``tokens``; waits (FIFO) while every eligible slot is busy.
+
+        Args:
+            want: a specific slot id (the sessions API), else any slot.
+            timeout: seconds to wait before ``TimeoutError``.
+        """
+        if want is not None and not 0 <= want < self.n_slots:
+            raise ValueError(f"slot {want} does not exist (this server has {self.n_slots})")
+        t0 = self._clock()
+        if not self._waiters:
+            lease = self._choose(tokens, want)
+            if lease is not None:
+                return lease
+        fut: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
+        entry = (fut, tokens, want)
+        self._waiters.append(entry)
+        try:
+            lease = await asyncio.wait_for(asyncio.shield(fut), timeout)
+        except (TimeoutError, asyncio.CancelledError):
+            if entry in self._waiters:
+                self._waiters.remove(entry)
+            if fut.done() and not fut.cancelled():
+                self.release(fut.result().slot)  # granted as we gave up: hand it on
+            else:
+                fut.cancel()
+            raise
+        return Lease(lease.slot, lease.cached_tokens, self._clock() - t0)
+
+    def try_acquire(self, slot: int) -> bool:
+        """Take a specific idle slot without waiting (False when busy)."""
+        s = self.slots[slot]
+        if s.busy:
+            return False
+        s.busy = True
+        s.last_used = self._clock()
+        return True
+
+    def release(self, slot: int) -> None:
+        self.slots[slot].busy = False
+        self.slots[slot].last_used = self._clock()
+        self._wake()
+
+    def _wake(self) -> None:
+        # FIFO among waiters; one waiting for a specific busy slot does not block the others.
+        for entry in list(self._waiters):
+            fut, tokens, want = entry
+            if fut.done():
+                self._waiters.remove(entry)
+                continue
+            lease = self._choose(tokens, want)
+            if lease is None:
+                if want is None:
+                    return  # nothing idle at all
+                continue
+            self._waiters.remove(entry)
+            fut.set_result(lease)
+
+    def set_tokens(self, slot: int, tokens: np.ndarray) -> None:
+        self.slots[slot].tokens = np.asarray(tokens, dtype=np.int32)
+
+    def tokens(self, slot: int) -> np.ndarray:
+        return self.slots[slot].tokens
+
+    def forget_all(self) -> None:
+        """After llama-server restarted: no slot holds anything any more."""
+        for s in self.slots:
+            s.tokens = np.zeros(0, dtype=np.int32)

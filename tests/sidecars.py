@@ -1,0 +1,113 @@
+"""In-process sidecars for tests: ``create_app`` served on a free loopback port."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from sidecar.app import create_app
+from sidecar.appkeys import ENGINE, METRICS, STORE
+from sidecar.config import Settings
+from tests.servers import free_port
+
+
+@dataclass
+class Sidecar:
+    url: str
+    app: web.Application
+    settings: Settings
+
+    @property
+    def engine(self):  # type: ignore[no-untyped-def]
+        return self.app[ENGINE]
+
+    @property
+    def store(self):  # type: ignore[no-untyped-def]
+        return self.app[STORE]
+
+    def metric(self, name: str, **labels: str) -> float:
+        value = self.app[METRICS].registry.get_sample_value(name, labels or None)
+        return float(value or 0.0)
+
+
+@contextlib.asynccontextmanager
+async def run_sidecar(settings: Settings) -> AsyncIterator[Sidecar]:
+    port = free_port()
+    settings = replace(settings, listen=f"127.0.0.1:{port}")
+    app = create_app(settings)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    try:
+        yield Sidecar(f"http://127.0.0.1:{port}", app, settings)
+    finally:
+        await runner.cleanup()
+
+
+@dataclass
+class Answer:
+    status: int
+    body: Any
+    headers: dict[str, str]
+    text: str
+
+    @property
+    def restored(self) -> int:
+        return int(self.headers.get("X-KVTier-Restored-Tokens", "0"))
+
+    @property
+    def prompt_n(self) -> int:
+        return int(self.body["timings"]["prompt_n"])
+
+    @property
+    def content(self) -> str:
+        if "choices" in self.body:
+            return str(self.body["choices"][0]["message"]["content"])
+        return str(self.body["content"])
+
+
+async def post(url: str, body: Any, *, raw: bytes | None = None, headers: dict[str, str] | None = None) -> Answer:
+    async with aiohttp.ClientSession() as s:
+        data = raw if raw is not None else json.dumps(body).encode()
+        async with s.post(url, data=data, headers={"Content-Type": "application/json", **(headers or {})}) as r:
+            text = await r.text()
+            try:
+                parsed = json.loads(text)
+            except json.JSONDecodeError:
+                parsed = None
+            return Answer(r.status, parsed, dict(r.headers), text)
+
+
+async def post_stream(url: str, body: Any) -> tuple[int, list[Any], dict[str, str]]:
+    """POST with ``stream: true``; returns the parsed SSE events (``[DONE]`` as the string)."""
+    events: list[Any] = []
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url, json={**body, "stream": True}) as r:
+            buf = b""
+            async for piece in r.content.iter_any():
+                buf += piece
+                while b"\n\n" in buf:
+                    event, buf = buf.split(b"\n\n", 1)
+                    for line in event.decode().splitlines():
+                        if line.startswith("data: "):
+                            data = line[6:]
+                            events.append(data if data == "[DONE]" else json.loads(data))
+            return r.status, events, dict(r.headers)
+
+
+def stream_text(events: list[Any]) -> str:
+    out = []
+    for e in events:
+        if isinstance(e, dict):
+            if "choices" in e:
+                out.append(e["choices"][0].get("delta", {}).get("content") or "")
+            else:
+                out.append(e.get("content", ""))
+    return "".join(out)

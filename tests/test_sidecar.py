@@ -1,0 +1,258 @@
+"""The sidecar in automatic mode: two real llama-servers, two sidecars, one real Valkey.
+
+A third llama-server, used directly, is the baseline "one node alone": every answer through the
+hopping sidecars must be token-for-token what that node gives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+import redis
+
+from sidecar.config import Settings
+from tests.servers import LlamaServer, RedisProc, llama_server
+from tests.sidecars import Sidecar, post, post_stream, run_sidecar, stream_text
+
+pytestmark = pytest.mark.llama
+
+CHUNK = 64
+DOC = " ".join(f"Fact {i}: the {['red', 'green', 'blue', 'white'][i % 4]} box number {i} holds {i * 7} marbles."
+               for i in range(30))
+SYSTEM = "You answer questions about this inventory. " + DOC
+QUESTIONS = ["How many marbles does box 3 hold?", "What colour is box 5?", "Which box holds 70 marbles?"]
+
+
+@dataclass
+class Cluster:
+    a: Sidecar
+    b: Sidecar
+    llama_a: LlamaServer
+    llama_b: LlamaServer
+    direct: LlamaServer
+    redis: RedisProc
+
+
+def settings_for(llama: LlamaServer, redis_url: str, node: str) -> Settings:
+    return Settings(llama_url=llama.url, slot_dir=str(llama.slot_dir), redis_url=redis_url, node_id=node,
+                    chunk_tokens=CHUNK, cache_size=512 << 20, max_body=2 << 20, prefill_tps_prior=100.0)
+
+
+@pytest_asyncio.fixture(scope="module")
+async def cluster(redis_srv: RedisProc, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Cluster]:
+    tmp: Path = tmp_path_factory.mktemp("sidecar")
+    with llama_server(tmp, "-np", "2") as la, llama_server(tmp, "-np", "2") as lb, llama_server(tmp) as direct:
+        async with run_sidecar(settings_for(la, redis_srv.url, "node-a")) as a, \
+                run_sidecar(settings_for(lb, redis_srv.url, "node-b")) as b:
+            yield Cluster(a, b, la, lb, direct, redis_srv)
+
+
+def chat(history: list[dict[str, str]], question: str, **extra: object) -> dict[str, object]:
+    return {"messages": [{"role": "system", "content": SYSTEM}, *history, {"role": "user", "content": question}],
+            "max_tokens": 12, "temperature": 0, **extra}
+
+
+async def converse(urls: list[str], questions: list[str], salt: str = "") -> list:  # type: ignore[type-arg]
+    """One conversation, turn i sent to urls[i]; the history carries the answers given."""
+    history: list[dict[str, str]] = []
+    answers = []
+    for url, q in zip(urls, questions):
+        extra = {"cache_salt": salt} if salt else {}
+        ans = await post(url + "/v1/chat/completions", chat(history, q, **extra))
+        assert ans.status == 200, ans.text
+        answers.append(ans)
+        history += [{"role": "user", "content": q}, {"role": "assistant", "content": ans.content}]
+    return answers
+
+
+async def settle(*sidecars: Sidecar) -> None:
+    """Wait until the background saves and Redis writes of the given sidecars are done."""
+    for sc in sidecars:
+        await sc.engine.drain(30)
+        assert await sc.store.flush(30)
+
+
+async def test_conversation_hops_nodes_and_matches_one_node(cluster: Cluster) -> None:
+    c = cluster
+    direct = await converse([c.direct.url] * 3, QUESTIONS)
+    answers = []
+    history: list[dict[str, str]] = []
+    for node, q in zip([c.a, c.b, c.a], QUESTIONS):
+        ans = await post(node.url + "/v1/chat/completions", chat(history, q))
+        assert ans.status == 200, ans.text
+        answers.append(ans)
+        history += [{"role": "user", "content": q}, {"role": "assistant", "content": ans.content}]
+        await settle(node)
+    assert [a.content for a in answers] == [d.content for d in direct]
+    # Turn 2 lands on B, which never saw the conversation: restored from Redis, only the suffix computed.
+    second = answers[1]
+    prompt_tokens = int(second.headers["X-KVTier-Prompt-Tokens"])
+    assert second.restored >= prompt_tokens - CHUNK - 40, second.headers
+    assert second.headers["X-KVTier-Restore-Tier"] == "redis"
+    assert second.prompt_n <= prompt_tokens - second.restored + 1
+    # Turn 3 back on A: its slot has turn 1; what B added comes from Redis when it is a chunk or more.
+    third = answers[2]
+    reused = max(third.restored, int(third.headers["X-KVTier-Slot-Cached-Tokens"]))
+    assert third.prompt_n <= int(third.headers["X-KVTier-Prompt-Tokens"]) - reused + 1
+    assert third.prompt_n < 60 + CHUNK  # the new turn (~40 tokens) and at most a chunk's remainder
+    assert c.b.metric("kvtier_restore_not_reused_total") == 0
+
+
+async def test_streaming_and_completion_endpoints(cluster: Cluster) -> None:
+    c = cluster
+    prompt = DOC + "\nQuestion: how many marbles does box 12 hold?\nAnswer:"
+    body = {"prompt": prompt, "n_predict": 10, "temperature": 0}
+    expected = (await post(c.direct.url + "/completion", body)).body["content"]
+    first = await post(c.a.url + "/completion", body)
+    assert first.status == 200 and first.content == expected
+    await settle(c.a)
+    status, events, headers = await post_stream(c.b.url + "/completion", body)
+    assert status == 200 and events[-1]["stop"] is True
+    assert stream_text(events) == expected
+    assert int(headers["X-KVTier-Restored-Tokens"]) > 0
+    status, events, _ = await post_stream(c.a.url + "/v1/chat/completions", chat([], QUESTIONS[0]))
+    assert status == 200 and events[-1] == "[DONE]"
+    direct = await post(c.direct.url + "/v1/chat/completions", chat([], QUESTIONS[0]))
+    assert stream_text(events) == direct.content
+
+
+async def test_eight_concurrent_clients(cluster: Cluster) -> None:
+    c = cluster
+    bodies = [{"prompt": DOC + f"\nQuestion {i}: which box holds {7 * (i + 2)} marbles?\nAnswer:", "n_predict": 6,
+               "temperature": 0} for i in range(8)]
+
+    async def one(i: int):  # type: ignore[no-untyped-def]
+        node = c.a if i % 2 else c.b
+        if i % 4 < 2:
+            return await post_stream(node.url + "/completion", bodies[i])
+        ans = await post(node.url + "/completion", bodies[i])
+        return ans.status, ans.body, ans.headers
+
+    results = await asyncio.gather(*(one(i) for i in range(8)))
+    for status, payload, headers in results:
+        assert status == 200
+        assert int(headers["X-KVTier-Slot"]) in (0, 1)
+        if isinstance(payload, list):
+            assert payload[-1]["stop"] is True and "timings" in payload[-1]
+        else:
+            assert payload["timings"]["predicted_n"] > 0
+    await settle(c.a, c.b)
+    assert c.a.engine.slots.queue_depth == 0 and not any(s.busy for s in c.a.engine.slots.slots)
+
+
+async def test_redis_down_mid_conversation(cluster: Cluster) -> None:
+    c = cluster
+    questions = ["How many marbles are in box 20?", "What colour is box 21?", "And box 22?", "And box 23?"]
+    direct = await converse([c.direct.url] * 4, questions, salt="")
+    history: list[dict[str, str]] = []
+    # turn 1 on A with Redis up
+    ans = await post(c.a.url + "/v1/chat/completions", chat(history, questions[0]))
+    history += [{"role": "user", "content": questions[0]}, {"role": "assistant", "content": ans.content}]
+    await settle(c.a)
+    c.redis.stop()
+    try:
+        # turn 2 on B while Redis is down: no restore possible, still the right answer
+        ans = await post(c.b.url + "/v1/chat/completions", chat(history, questions[1]))
+        assert ans.status == 200 and ans.content == direct[1].content
+        history += [{"role": "user", "content": questions[1]}, {"role": "assistant", "content": ans.content}]
+        await settle(c.b)
+    finally:
+        c.redis.start()  # back, empty
+    assert c.b.store.stats()["redis"].errors > 0
+    # turn 3 on A: A's slot has turn 1; its save now goes to the empty Redis again
+    ans = await post(c.a.url + "/v1/chat/completions", chat(history, questions[2]))
+    assert ans.status == 200 and ans.content == direct[2].content
+    history += [{"role": "user", "content": questions[2]}, {"role": "assistant", "content": ans.content}]
+    await settle(c.a)
+    # turn 4 on B: restores resume from Redis
+    for _ in range(50):  # the circuit breaker may hold Redis off for a moment after the outage
+        if c.b.store.stats()["redis"].available:
+            break
+        await asyncio.sleep(0.2)
+    ans = await post(c.b.url + "/v1/chat/completions", chat(history, questions[3]))
+    assert ans.status == 200 and ans.content == direct[3].content
+    assert ans.restored > 0 and ans.headers["X-KVTier-Restore-Tier"] == "redis"
+
+
+async def test_damaged_chunk_is_never_restored(cluster: Cluster) -> None:
+    c = cluster
+    body = {"prompt": "Inventory copy. " + DOC + "\nQuestion: what colour is box 9?\nAnswer:", "n_predict": 8,
+            "temperature": 0}
+    expected = (await post(c.direct.url + "/completion", body)).body["content"]
+    assert (await post(c.a.url + "/completion", body)).content == expected
+    await settle(c.a)
+    ns = c.a.engine.target.namespace
+    from tiers.keys import chunk_key, prefix_chain
+
+    tokens = c.a.engine.slots.tokens(int((await post(c.a.url + "/completion", body)).headers["X-KVTier-Slot"]))
+    await settle(c.a)
+    key = chunk_key(ns, prefix_chain(ns, tokens)[1])
+    with redis.Redis(port=c.redis.port) as r:
+        blob = bytearray(r.get(key))
+        blob[len(blob) // 2] ^= 0xFF
+        r.set(key, bytes(blob))
+    before = c.b.store.counters.corrupt
+    ans = await post(c.b.url + "/completion", body)
+    assert ans.status == 200 and ans.content == expected
+    assert ans.restored == CHUNK  # chunk 0 only: the prefix stops at the damaged chunk
+    assert c.b.store.counters.corrupt == before + 1
+    with redis.Redis(port=c.redis.port) as r:
+        assert r.get(key) is None or bytes(r.get(key)) != bytes(blob)  # deleted (or rewritten intact)
+
+
+async def test_bad_requests_get_llama_servers_errors_and_cache_nothing(cluster: Cluster) -> None:
+    c = cluster
+    await settle(c.a)
+    puts_before = c.a.store.stats()["memory"].puts
+    cases = [
+        ("/completion", b"{not json"),
+        ("/completion", json.dumps({"prompt": 5}).encode()),
+        ("/completion", json.dumps([1, 2, 3]).encode()),
+        ("/v1/chat/completions", json.dumps({"messages": "nope"}).encode()),
+        ("/v1/chat/completions", json.dumps({"messages": [{"role": 3}]}).encode()),
+        ("/completion", json.dumps({"prompt": "hi", "n_predict": "many"}).encode()),
+    ]
+    for path, raw in cases:
+        via = await post(c.a.url + path, None, raw=raw)
+        direct = await post(c.direct.url + path, None, raw=raw)
+        assert via.status == direct.status, (path, raw, via.text, direct.text)
+        if via.status >= 400:
+            assert via.body is not None and "error" in via.body
+    huge = await post(c.a.url + "/completion", None, raw=b'{"prompt": "' + b"x" * (3 << 20) + b'"}')
+    assert huge.status == 413 and huge.body["error"]["code"] == "413"
+    await settle(c.a)
+    assert c.a.store.stats()["memory"].puts == puts_before
+    assert (await post(c.a.url + "/completion", {"prompt": "ok", "n_predict": 1})).status == 200
+
+
+async def test_llama_server_restart_rebuilds_slot_table(cluster: Cluster) -> None:
+    c = cluster
+    body = {"prompt": DOC + "\nQuestion: what colour is box 14?\nAnswer:", "n_predict": 8, "temperature": 0}
+    expected = (await post(c.direct.url + "/completion", body)).body["content"]
+    assert (await post(c.a.url + "/completion", body)).content == expected
+    await settle(c.a)
+    c.llama_a.restart()
+    # The slot table still believes the slot holds the prompt; the answer must be right anyway.
+    ans = await post(c.a.url + "/completion", body)
+    assert ans.status == 200 and ans.content == expected
+    await settle(c.a)
+    for _ in range(100):
+        if c.a.engine.ready:
+            break
+        await asyncio.sleep(0.1)
+    assert c.a.engine.ready
+    # A restarted node restores what the other node stored.
+    c.llama_a.restart()
+    for _ in range(100):  # the health watcher notices the restart and relearns the slots
+        await asyncio.sleep(0.1)
+        if c.a.engine.ready and not any(s.tokens.size for s in c.a.engine.slots.slots):
+            break
+    assert not any(s.tokens.size for s in c.a.engine.slots.slots)
+    ans = await post(c.a.url + "/completion", body)
+    assert ans.status == 200 and ans.content == expected and ans.restored > 0

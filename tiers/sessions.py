@@ -1,0 +1,267 @@
+"""Session manifests: a named conversation state that any node can restore.
+
+A session is its token sequence, the prefix chunks of its full chunks (shared with every other
+session and with automatic mode, content-addressed) and its partial tail (private to the session).
+The manifest is small JSON: in Redis under ``kvtier:{ns}:s:{id}`` when Redis is configured (any
+node can restore), else in this process (node-local). Nothing read back is ever unpickled: the
+manifest is JSON, validated field by field, and every chunk is checked by the blob codec.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .codec import Flags
+from .errors import KVTierError, TierUnavailable
+from .keys import ChunkHash, Namespace, as_token_array, hash_chunk, prefix_chain, session_key
+from .store import PayloadSource, TieredStore
+
+SESSION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
+MANIFEST_VERSION = 1
+MAX_MANIFEST_BYTES = 64 << 20  # ~16M tokens; anything larger is damage
+
+
+class SessionError(KVTierError):
+    """A session is missing, incomplete or malformed."""
+
+
+class SessionNotFound(SessionError):
+    pass
+
+
+class SessionIncomplete(SessionError):
+    """Some of the session's chunks are gone (evicted or expired)."""
+
+
+def validate_session_id(session_id: object) -> str:
+    """Session ids: 1-128 of ``A-Z a-z 0-9 . _ : -``, not starting with punctuation."""
+    if not isinstance(session_id, str) or not SESSION_ID_RE.fullmatch(session_id):
+        raise ValueError("session id must be 1-128 characters of A-Z a-z 0-9 . _ : - and start with a letter or digit")
+    return session_id
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    id: str
+    namespace: str
+    chunk_tokens: int
+    n_tokens: int
+    chunks: int
+    tail_tokens: int
+    tail_hash: str  # hex, "" without a tail
+    bytes: int
+    node: str
+    created: float
+    last_used: float
+    tokens_b64: str = field(repr=False)
+
+    @property
+    def tokens(self) -> np.ndarray:
+        return np.frombuffer(base64.b64decode(self.tokens_b64), dtype="<i4")
+
+    def to_json(self) -> bytes:
+        return json.dumps({"version": MANIFEST_VERSION, **asdict(self)}, separators=(",", ":")).encode()
+
+    def public(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.pop("tokens_b64")
+        return out
+
+    @classmethod
+    def from_json(cls, raw: bytes | str) -> Manifest:
+        if len(raw) > MAX_MANIFEST_BYTES:
+            raise SessionError("session manifest is implausibly large")
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise SessionError(f"session manifest is not JSON: {exc}") from None
+        if not isinstance(data, dict) or data.get("version") != MANIFEST_VERSION:
+            raise SessionError("session manifest of an unknown version")
+        try:
+            m = cls(
+                id=validate_session_id(data["id"]), namespace=str(data["namespace"]),
+                chunk_tokens=_int(data, "chunk_tokens"), n_tokens=_int(data, "n_tokens"), chunks=_int(data, "chunks"),
+                tail_tokens=_int(data, "tail_tokens"), tail_hash=str(data["tail_hash"]), bytes=_int(data, "bytes"),
+                node=str(data["node"]), created=float(data["created"]), last_used=float(data["last_used"]),
+                tokens_b64=str(data["tokens_b64"]),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SessionError(f"session manifest is malformed: {exc}") from None
+        if m.chunks * m.chunk_tokens + m.tail_tokens != m.n_tokens or m.tokens.size != m.n_tokens:
+            raise SessionError("session manifest is inconsistent")
+        return m
+
+
+def _int(data: dict[str, Any], key: str) -> int:
+    value = data[key]
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{key} must be a non-negative integer")
+    return value
+
+
+def tail_key(namespace: Namespace, session_id: str) -> bytes:
+    return f"kvtier:{namespace.id}:t:{session_id}".encode()
+
+
+def tail_hash(chain: Sequence[ChunkHash], namespace: Namespace, tail_tokens: np.ndarray) -> ChunkHash:
+    parent = chain[-1] if chain else namespace.digest
+    return hash_chunk(b"tail\0" + parent, tail_tokens)
+
+
+class SessionStore:
+    """Save, load, list and delete session manifests; their chunks go through the TieredStore.
+
+    Args:
+        store: the tiered store chunks live in.
+        redis: the RedisTier manifests live in; None keeps them in this process (node-local).
+        flush_timeout: seconds a save waits for its chunks to reach Redis before the manifest is
+            published (a manifest never points at chunks that are not there yet).
+    """
+
+    def __init__(self, store: TieredStore, redis: Any | None = None, *, flush_timeout: float = 30.0,
+                 clock: Any = time.time):
+        self.store = store
+        self.redis = redis
+        self.flush_timeout = flush_timeout
+        self._clock = clock
+        self._local: dict[bytes, bytes] = {}
+
+    @property
+    def shared(self) -> bool:
+        """True when manifests are in Redis, so any node can restore any session."""
+        return self.redis is not None
+
+    async def save(self, namespace: Namespace, session_id: str, tokens: Sequence[int] | np.ndarray,
+                   payloads: PayloadSource, tail_payload: bytes | bytearray | memoryview | None,
+                   *, node: str = "", kv_bytes: int = 0) -> Manifest:
+        """Store the session's chunks and tail, then its manifest.
+
+        Args:
+            payloads: chunk ``i``'s payload for each full chunk of ``tokens``.
+            tail_payload: the cells after the last full chunk (None when there are none).
+            kv_bytes: the session's KV bytes, for the manifest (default: the bytes this save wrote).
+        """
+        validate_session_id(session_id)
+        toks = as_token_array(tokens)
+        C = namespace.chunk_tokens
+        chain = prefix_chain(namespace, toks)
+        n_tail = toks.size - len(chain) * C
+        if (n_tail > 0) != (tail_payload is not None):
+            raise ValueError(f"{n_tail} tail tokens but {'a' if tail_payload is not None else 'no'} tail payload")
+        result = await self.store.store(namespace, chain, payloads, flags=Flags.SESSION)
+        nbytes = result.bytes_encoded
+        t_hash = b""
+        if tail_payload is not None:
+            t_hash = tail_hash(chain, namespace, toks[len(chain) * C:])
+            blob = self.store.codec.encode(tail_payload, chunk_hash=t_hash, namespace_id=namespace.digest[:8],
+                                           n_tokens=n_tail, flags=Flags.SESSION)
+            await self.store.put_raw(tail_key(namespace, session_id), blob)
+            nbytes += len(blob)
+        if self.redis is not None and not await self.store.flush(self.flush_timeout):
+            raise TierUnavailable("session chunks did not reach Redis in time")
+        old = await self._get_manifest(namespace, session_id)
+        now = self._clock()
+        manifest = Manifest(
+            id=session_id, namespace=namespace.id, chunk_tokens=C, n_tokens=int(toks.size), chunks=len(chain),
+            tail_tokens=n_tail, tail_hash=t_hash.hex(), bytes=kv_bytes or nbytes, node=node,
+            created=old.created if old else now, last_used=now,
+            tokens_b64=base64.b64encode(toks.tobytes()).decode(),
+        )
+        await self._put_manifest(namespace, manifest)
+        return manifest
+
+    async def load(self, namespace: Namespace, session_id: str) -> Manifest:
+        validate_session_id(session_id)
+        manifest = await self._get_manifest(namespace, session_id)
+        if manifest is None:
+            raise SessionNotFound(f"no session {session_id!r}")
+        return manifest
+
+    async def fetch(self, namespace: Namespace, manifest: Manifest) -> tuple[list[bytes | memoryview], str]:
+        """The payloads (chunks, then the tail) of a session, and the slowest tier they came from.
+
+        Raises:
+            SessionIncomplete: a chunk or the tail is gone or damaged.
+        """
+        toks = manifest.tokens
+        chain = prefix_chain(namespace, toks, manifest.chunks)
+        fetched = await self.store.fetch(namespace, chain)
+        if fetched.n_chunks < manifest.chunks:
+            raise SessionIncomplete(
+                f"session {manifest.id!r}: {manifest.chunks - fetched.n_chunks} of {manifest.chunks} chunks are gone"
+            )
+        payloads = list(fetched.payloads)
+        tiers = list(fetched.tiers)
+        if manifest.tail_tokens:
+            tail = await self.store.get_verified(tail_key(namespace, manifest.id), bytes.fromhex(manifest.tail_hash),
+                                                 namespace)
+            if tail is None:
+                raise SessionIncomplete(f"session {manifest.id!r}: its tail is gone")
+            payloads.append(tail)
+        order = [t.name for t in self.store.tiers]
+        slowest = max(tiers, key=order.index) if tiers else (order[0] if manifest.tail_tokens else "")
+        return payloads, slowest
+
+    async def touch(self, namespace: Namespace, manifest: Manifest) -> None:
+        from dataclasses import replace
+
+        await self._put_manifest(namespace, replace(manifest, last_used=self._clock()))
+
+    async def delete(self, namespace: Namespace, session_id: str) -> bool:
+        """Delete the manifest and the tail (shared chunks stay: other sessions may use them)."""
+        validate_session_id(session_id)
+        key = session_key(namespace, session_id)
+        existed = await self._get_manifest(namespace, session_id) is not None
+        if self.redis is not None:
+            await self.redis.delete([key])
+        self._local.pop(key, None)
+        await self.store.delete_everywhere([tail_key(namespace, session_id)])
+        return existed
+
+    async def list(self, namespace: Namespace, prefix: str = "", *, after: str = "", limit: int = 100) -> list[Manifest]:
+        """Manifests whose id starts with ``prefix``, sorted by id, after ``after`` (paging)."""
+        if prefix and not re.fullmatch(r"[A-Za-z0-9._:-]{1,128}", prefix):
+            raise ValueError("prefix may hold only A-Z a-z 0-9 . _ : -")
+        base = session_key(namespace, "")
+        if self.redis is not None:
+            pattern = base + _glob_escape(prefix).encode() + b"*"
+            keys = await self.redis.scan(pattern, count=1000)
+        else:
+            keys = [k for k in self._local if k.startswith(base + prefix.encode())]
+        ids = sorted(k[len(base):].decode() for k in keys)
+        out = []
+        for sid in ids:
+            if sid <= after:
+                continue
+            m = await self._get_manifest(namespace, sid)
+            if m is not None:
+                out.append(m)
+            if len(out) >= limit:
+                break
+        return out
+
+    async def _get_manifest(self, namespace: Namespace, session_id: str) -> Manifest | None:
+        key = session_key(namespace, session_id)
+        raw = await self.redis.get_raw(key) if self.redis is not None else self._local.get(key)
+        if raw is None:
+            return None
+        return Manifest.from_json(raw)
+
+    async def _put_manifest(self, namespace: Namespace, manifest: Manifest) -> None:
+        key = session_key(namespace, manifest.id)
+        if self.redis is not None:
+            await self.redis.set_raw(key, manifest.to_json())
+        else:
+            self._local[key] = manifest.to_json()
+
+
+def _glob_escape(text: str) -> str:
+    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
