@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import glob
+import os
 import logging
 import tempfile
 from collections.abc import AsyncIterator
@@ -21,31 +23,15 @@ from .appkeys import ENGINE, HTTP, METRICS, REDIS, SETTINGS, STORE
 from .config import Settings
 from .engine import KVEngine
 from .metrics import Metrics
+from .middlewares import auth_middleware, error_middleware, request_id_middleware
+from .openapi import openapi_handler
 from .proxy import COMPLETION_KINDS, handle_completion, passthrough
+from .sessions_api import ROUTES as SESSION_ROUTES
+from .sessions_api import sessions_errors
 
 log = logging.getLogger("kvtier.app")
 
 HEALTH_INTERVAL_S = 2.0
-
-
-def json_error(status: int, message: str, code: str | None = None) -> web.Response:
-    """Every error the sidecar itself answers: ``{"error": {"code", "message"}}``."""
-    return web.json_response({"error": {"code": code or str(status), "message": message}}, status=status)
-
-
-@web.middleware
-async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
-    try:
-        return await handler(request)
-    except web.HTTPException as exc:
-        if exc.content_type == "application/json" or exc.status < 400:
-            raise
-        return json_error(exc.status, exc.reason if not exc.text or exc.text.startswith(f"{exc.status}:") else exc.text)
-    except asyncio.CancelledError:
-        raise
-    except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return json_error(500, "internal error in kvtier (see its log)")
 
 
 def build_store(settings: Settings) -> tuple[TieredStore, Any]:
@@ -65,8 +51,18 @@ def build_store(settings: Settings) -> tuple[TieredStore, Any]:
     return store, redis
 
 
+def _remove_stale_files(slot_dir: str) -> None:
+    """Files a crashed kvtier left in the slot dir (only its own, by prefix)."""
+    for path in glob.glob(os.path.join(slot_dir, "kvtier-*.bin")):
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 async def _resources(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
+    _remove_stale_files(settings.slot_dir or ".")
     session = aiohttp.ClientSession(
         auto_decompress=False,  # relay bytes unchanged, encoding included
         timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=None),
@@ -154,11 +150,14 @@ async def catch_all(request: web.Request) -> web.StreamResponse:
 
 def create_app(settings: Settings) -> web.Application:
     """The sidecar: KV flow on completion routes, health/metrics, everything else passed through."""
-    app = web.Application(middlewares=[error_middleware], client_max_size=settings.max_body)
+    middlewares = [request_id_middleware, error_middleware, auth_middleware(settings.auth_token, settings.auth_all),
+                   sessions_errors]
+    app = web.Application(middlewares=middlewares, client_max_size=settings.max_body)
     app[SETTINGS] = settings
     app[METRICS] = Metrics()
     app.cleanup_ctx.append(_resources)
-    routes = [web.get("/healthz", healthz), web.get("/readyz", readyz), web.get("/metrics", metrics_endpoint)]
+    routes = [web.get("/healthz", healthz), web.get("/readyz", readyz), web.get("/metrics", metrics_endpoint),
+              web.get("/openapi.json", openapi_handler), *SESSION_ROUTES]
     routes += [web.post(path, handle_completion) for path in COMPLETION_KINDS]
     routes.append(web.route("*", "/{tail:.*}", catch_all))
     app.add_routes(routes)

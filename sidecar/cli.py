@@ -17,7 +17,9 @@ commands:
   serve              run the sidecar in front of llama-server (kvtier serve --help)
   demo               rolling-update demo: two llama-servers, two sidecars, Valkey
   state inspect F    describe a llama.cpp sequence-state file (--json)
-  bench NAME         benchmarks: tiers, state, hop, overhead
+  sessions ACTION    ls | show ID | rm ID | save ID | restore ID  (a running sidecar's sessions API)
+  stats              hit rates per tier and tokens restored vs recomputed (from /metrics)
+  bench NAME         benchmarks: tiers, state, hop, overhead, llama-cpp-python, report
 """
 
 
@@ -84,6 +86,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .demo import main as demo_main
 
             return demo_main(rest)
+        if command == "sessions":
+            from .cli_client import sessions_main
+
+            return sessions_main(rest)
+        if command == "stats":
+            from .cli_client import stats_main
+
+            return stats_main(rest)
         if command == "bench" and rest:
             return _bench(rest[0], rest[1:])
     except KVTierError as exc:
@@ -98,7 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _bench(name: str, argv: list[str]) -> int:
     import importlib
 
-    modules = {"tiers": "bench.tiers", "state": "bench.state", "hop": "bench.hop", "overhead": "bench.overhead"}
+    modules = {"tiers": "bench.tiers", "state": "bench.state", "hop": "bench.hop", "overhead": "bench.overhead",
+               "llama-cpp-python": "bench.llama_cpp_python", "report": "bench.report"}
     if name not in modules:
         print(f"kvtier bench: unknown benchmark {name!r}; choose one of {', '.join(modules)}", file=sys.stderr)
         return 2

@@ -29,12 +29,13 @@ from integrations.llama_server import LlamaServerClient, LlamaServerError, Timin
 from integrations.statefile import SeqState, parse_state
 from tiers.errors import KVTierError
 from tiers.keys import ChunkHash, Namespace, as_token_array, chunk_key, events_channel, prefix_chain
+from tiers.sessions import Manifest, SessionError, SessionStore
 from tiers.store import TieredStore
 
 from .config import Settings
 from .costmodel import CostModel
 from .metrics import Metrics
-from .slots import Lease, SlotTable
+from .slots import Lease, SlotTable, common_prefix
 
 log = logging.getLogger("kvtier.engine")
 
@@ -61,6 +62,8 @@ class RequestPlan:
     tokens: np.ndarray
     lease: Lease
     namespace: Namespace
+    salt: str = ""
+    session_id: str | None = None
     restored_tokens: int = 0
     restore_tier: str = ""
     restore_ms: float = 0.0
@@ -84,6 +87,8 @@ class KVEngine:
         self._pending: set[asyncio.Task[None]] = set()
         self.last_error = ""
         self._warned_unsplittable = False
+        self.sessions = SessionStore(store, events)
+        self.session_slots: dict[str, int] = {}  # session id -> the slot that served it last
 
     # -- start-up -------------------------------------------------------------------------------
 
@@ -191,19 +196,33 @@ class KVEngine:
             return as_token_array(prompt)
         return None  # several prompts, mixed or multimodal input: passed through uncached
 
-    async def prepare(self, tokens: np.ndarray, *, want_slot: int | None = None,
-                      salt: str = "", timeout: float | None = None) -> RequestPlan:
-        """Take a slot for ``tokens`` and restore the longest worthwhile prefix into it."""
+    async def prepare(self, tokens: np.ndarray, *, want_slot: int | None = None, salt: str = "",
+                      timeout: float | None = None, session_id: str | None = None) -> RequestPlan:
+        """Take a slot for ``tokens`` and restore the longest worthwhile prefix into it.
+
+        Args:
+            salt: the tenant; it salts the namespace and only its own slots count as cached.
+            session_id: restore this session first when it is a prefix of ``tokens`` (and save
+                the request's result under it afterwards).
+        """
         assert self.target is not None and self.slots is not None
         t0 = time.perf_counter()
         self.metrics.slot_queue.set(self.slots.queue_depth + 1)
-        lease = await self.slots.acquire(tokens, want=want_slot, timeout=timeout)
+        lease = await self.slots.acquire(tokens, want=want_slot, timeout=timeout, owner=salt)
         self.metrics.slot_queue.set(self.slots.queue_depth)
         ns = self.target.namespace.salted(salt) if salt else self.target.namespace
-        plan = RequestPlan(tokens, lease, ns)
+        plan = RequestPlan(tokens, lease, ns, salt, session_id)
+        if session_id is not None:
+            self.session_slots[session_id] = lease.slot
         t1 = time.perf_counter()
         try:
-            await self._restore(plan)
+            if lease.foreign:
+                # Another tenant's tokens: llama-server would reuse their common prefix by itself,
+                # and the faster answer would tell this tenant what the other one asked.
+                await self.client.erase_slot(lease.slot)
+                self.slots.set_tokens(lease.slot, np.zeros(0, np.int32), owner=salt)
+            if session_id is None or not await self._restore_session_prefix(plan):
+                await self._restore(plan)
         except Exception as exc:  # best-effort: the request goes on as a recompute
             self.metrics.cache_errors.labels("restore").inc()
             log.warning("restore into slot %d failed, recomputing: %s", lease.slot, exc)
@@ -212,6 +231,48 @@ class KVEngine:
         self.metrics.overhead_seconds.observe(plan.overhead_ms / 1000)
         self.metrics.tokens_slot_reused.inc(lease.cached_tokens)
         return plan
+
+    async def _restore_session_prefix(self, plan: RequestPlan) -> bool:
+        """Restore the request's session when it is a prefix of the prompt and worth it."""
+        assert plan.session_id is not None
+        try:
+            manifest = await self.sessions.load(plan.namespace, plan.session_id)
+        except SessionError:
+            return False
+        m_tokens = manifest.tokens
+        if not (plan.lease.cached_tokens < m_tokens.size < plan.tokens.size
+                and common_prefix(m_tokens, plan.tokens) == m_tokens.size):
+            return False
+        gain = m_tokens.size - plan.lease.cached_tokens
+        assert self.target is not None
+        decision = self.cost.decide(gain, {"redis" if self.sessions.shared else "memory":
+                                           gain * self.target.bytes_per_token})
+        self.metrics.decisions.labels("restore" if decision.restore else "recompute").inc()
+        if not decision.restore:
+            return False
+        await self.restore_session(plan.lease.slot, manifest, plan)
+        return True
+
+    async def restore_session(self, slot: int, manifest: Manifest, plan: RequestPlan | None = None,
+                              namespace: Namespace | None = None, salt: str = "") -> tuple[int, str, float]:
+        """Restore a whole session (chunks and tail) into ``slot``; returns (tokens, tier, ms)."""
+        assert self.target is not None and self.slots is not None
+        ns = plan.namespace if plan is not None else (namespace or self.target.namespace)
+        t0 = time.perf_counter()
+        payloads, tier = await self.sessions.fetch(ns, manifest)
+        tokens = manifest.tokens
+        data = assemble_state(payloads, tokens, v_trans=self.target.v_trans, n_stream=self.target.n_stream)
+        await self._restore_file(slot, data)
+        self.slots.set_tokens(slot, tokens.copy(), owner=plan.salt if plan is not None else salt)
+        ms = (time.perf_counter() - t0) * 1000
+        self.metrics.restores.labels(tier or "memory", "ok").inc()
+        self.metrics.restore_seconds.observe(ms / 1000)
+        self.metrics.bytes_restored.inc(len(data))
+        if plan is not None:
+            self.metrics.tokens_restored.inc(tokens.size - plan.lease.cached_tokens)
+            plan.restored_tokens, plan.restore_tier, plan.restore_ms = int(tokens.size), tier, ms
+        await self.sessions.touch(ns, manifest)
+        return int(tokens.size), tier, ms
 
     async def _restore(self, plan: RequestPlan) -> None:
         assert self.target is not None and self.slots is not None
@@ -251,7 +312,7 @@ class KVEngine:
         await self._restore_file(plan.lease.slot, data)
         restore_s = time.perf_counter() - t_restore
         self.cost.observe_restore(len(data), restore_s)
-        self.slots.set_tokens(plan.lease.slot, plan.tokens[: fetched.n_tokens].copy())
+        self.slots.set_tokens(plan.lease.slot, plan.tokens[: fetched.n_tokens].copy(), owner=plan.salt)
         plan.restored_tokens = fetched.n_tokens
         plan.restore_tier = max(set(fetched.tiers), key=[t.name for t in self.store.tiers].index)
         plan.restore_ms = (time.perf_counter() - t0) * 1000
@@ -290,8 +351,10 @@ class KVEngine:
     async def _save_then_release(self, plan: RequestPlan, ok: bool) -> None:
         assert self.slots is not None
         try:
-            if ok:
-                await self.save_slot(plan.lease.slot, plan.namespace)
+            if ok and plan.session_id is not None:
+                await self.save_session(plan.lease.slot, plan.namespace, plan.session_id, owner=plan.salt)
+            elif ok:
+                await self.save_slot(plan.lease.slot, plan.namespace, owner=plan.salt)
             else:
                 # Nothing from a failed request is cached; what the slot holds now is unknown.
                 self.slots.set_tokens(plan.lease.slot, np.zeros(0, np.int32))
@@ -303,13 +366,38 @@ class KVEngine:
             self.slots.release(plan.lease.slot)
             self.metrics.pending_saves.set(max(len(self._pending) - 1, 0))
 
-    async def save_slot(self, slot: int, namespace: Namespace, *, tail: bool = False) -> tuple[SeqState, Any]:
+    async def save_session(self, slot: int, namespace: Namespace, session_id: str, *, owner: str = "") -> Manifest:
+        """Save ``slot`` as session ``session_id``: its chunks, its partial tail, its manifest."""
+        assert self.slots is not None
+        t0 = time.perf_counter()
+        state = await self._save_and_read(slot, "session")
+        tokens = state.tokens.tokens
+        self.slots.set_tokens(slot, tokens.copy(), owner=owner)
+        if not state.splittable:
+            raise SessionError(f"this slot's state cannot be split into chunks ({state.split_reason})")
+        split = split_state(state, namespace.chunk_tokens, tail=True)
+        manifest = await self.sessions.save(
+            namespace, session_id, tokens, lambda i: split.chunks[i], split.tail,
+            node=self.settings.node_id, kv_bytes=int(tokens.size) * split.layout.bytes_per_token,
+        )
+        self.session_slots[session_id] = slot
+        self.metrics.save_seconds.observe(time.perf_counter() - t0)
+        if self.events is not None:
+            try:
+                from tiers.keys import events_channel as channel
+
+                await self.events.publish_session_saved(channel(namespace), session_id, tokens=int(tokens.size))
+            except Exception as exc:
+                log.debug("publishing an event failed: %s", exc)
+        return manifest
+
+    async def save_slot(self, slot: int, namespace: Namespace, *, owner: str = "") -> tuple[SeqState, Any]:
         """Save ``slot``, store its chunks (only the new ones), and record what it holds."""
         assert self.slots is not None
         t0 = time.perf_counter()
         state = await self._save_and_read(slot, "save")
         tokens = state.tokens.tokens
-        self.slots.set_tokens(slot, tokens.copy())
+        self.slots.set_tokens(slot, tokens.copy(), owner=owner)
         result = None
         if state.splittable:
             chain = prefix_chain(namespace, tokens)

@@ -17,8 +17,10 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from integrations.llama_server import LlamaServerError, Timings
+from tiers.sessions import validate_session_id
 
 from .appkeys import ENGINE, HTTP, METRICS, SETTINGS
+from .middlewares import json_error
 
 log = logging.getLogger("kvtier.proxy")
 
@@ -130,10 +132,16 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
     if tokens is None or tokens.size == 0:
         metrics.requests.labels(kind, "passthrough").inc()
         return await passthrough(request, raw)
+    session_id = request.headers.get("X-Session-Id")
+    if session_id is not None:
+        try:
+            validate_session_id(session_id)
+        except ValueError as exc:
+            return json_error(400, f"X-Session-Id: {exc}")
     want = body.get("id_slot")
     want = want if isinstance(want, int) and not isinstance(want, bool) and 0 <= want < engine.target.n_slots else None  # type: ignore[union-attr]
     salt = _tenant_salt(request, body)
-    plan = await engine.prepare(tokens, want_slot=want, salt=salt)
+    plan = await engine.prepare(tokens, want_slot=want, salt=salt, session_id=session_id)
     ok, timings = False, None
     try:
         forwarded = {k: v for k, v in body.items() if k != "cache_salt"}

@@ -31,6 +31,7 @@ class Slot:
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     busy: bool = False
     last_used: float = 0.0
+    owner: str = ""  # tenant salt of what the slot holds: another tenant's tokens never count
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,8 +39,9 @@ class Lease:
     """A slot granted to one request; give it back with ``SlotTable.release``."""
 
     slot: int
-    cached_tokens: int  # tokens of the request's prompt the slot already holds
+    cached_tokens: int  # tokens of the request's prompt the slot already holds (same tenant)
     waited_s: float
+    foreign: bool = False  # the slot holds another tenant's tokens: erase before use
 
 
 class SlotTable:
@@ -50,7 +52,9 @@ class SlotTable:
             raise ValueError("n_slots must be positive")
         self.slots = [Slot(i) for i in range(n_slots)]
         self._clock = clock
-        self._waiters: collections.deque[tuple[asyncio.Future[Lease], np.ndarray, int | None]] = collections.deque()
+        self._waiters: collections.deque[tuple[asyncio.Future[Lease], np.ndarray, int | None, str]] = (
+            collections.deque()
+        )
 
     @property
     def n_slots(self) -> int:
@@ -60,34 +64,36 @@ class SlotTable:
     def queue_depth(self) -> int:
         return len(self._waiters)
 
-    def _choose(self, tokens: np.ndarray, want: int | None) -> Lease | None:
+    def _choose(self, tokens: np.ndarray, want: int | None, owner: str) -> Lease | None:
         idle = [s for s in self.slots if not s.busy and (want is None or s.id == want)]
         if not idle:
             return None
-        scored = [(common_prefix(s.tokens, tokens), -s.last_used, s) for s in idle]
+        scored = [(common_prefix(s.tokens, tokens) if s.owner == owner else 0, -s.last_used, s) for s in idle]
         best_prefix, _, best = max(scored, key=lambda x: (x[0], x[1]))
         if best_prefix == 0:
             best = min(idle, key=lambda s: s.last_used)
         best.busy = True
         best.last_used = self._clock()
-        return Lease(best.id, best_prefix if best_prefix else 0, 0.0)
+        return Lease(best.id, best_prefix, 0.0, foreign=best.owner != owner and best.tokens.size > 0)
 
-    async def acquire(self, tokens: np.ndarray, *, want: int | None = None, timeout: float | None = None) -> Lease:
+    async def acquire(self, tokens: np.ndarray, *, want: int | None = None, timeout: float | None = None,
+                      owner: str = "") -> Lease:
         """A slot for ``tokens``; waits (FIFO) while every eligible slot is busy.
 
         Args:
             want: a specific slot id (the sessions API), else any slot.
             timeout: seconds to wait before ``TimeoutError``.
+            owner: the tenant (salt); only its own slots' tokens count as a common prefix.
         """
         if want is not None and not 0 <= want < self.n_slots:
             raise ValueError(f"slot {want} does not exist (this server has {self.n_slots})")
         t0 = self._clock()
         if not self._waiters:
-            lease = self._choose(tokens, want)
+            lease = self._choose(tokens, want, owner)
             if lease is not None:
                 return lease
         fut: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
-        entry = (fut, tokens, want)
+        entry = (fut, tokens, want, owner)
         self._waiters.append(entry)
         try:
             lease = await asyncio.wait_for(asyncio.shield(fut), timeout)
@@ -99,7 +105,7 @@ class SlotTable:
             else:
                 fut.cancel()
             raise
-        return Lease(lease.slot, lease.cached_tokens, self._clock() - t0)
+        return Lease(lease.slot, lease.cached_tokens, self._clock() - t0, lease.foreign)
 
     def try_acquire(self, slot: int) -> bool:
         """Take a specific idle slot without waiting (False when busy)."""
@@ -118,11 +124,11 @@ class SlotTable:
     def _wake(self) -> None:
         # FIFO among waiters; one waiting for a specific busy slot does not block the others.
         for entry in list(self._waiters):
-            fut, tokens, want = entry
+            fut, tokens, want, owner = entry
             if fut.done():
                 self._waiters.remove(entry)
                 continue
-            lease = self._choose(tokens, want)
+            lease = self._choose(tokens, want, owner)
             if lease is None:
                 if want is None:
                     return  # nothing idle at all
@@ -130,8 +136,10 @@ class SlotTable:
             self._waiters.remove(entry)
             fut.set_result(lease)
 
-    def set_tokens(self, slot: int, tokens: np.ndarray) -> None:
+    def set_tokens(self, slot: int, tokens: np.ndarray, owner: str | None = None) -> None:
         self.slots[slot].tokens = np.asarray(tokens, dtype=np.int32)
+        if owner is not None:
+            self.slots[slot].owner = owner
 
     def tokens(self, slot: int) -> np.ndarray:
         return self.slots[slot].tokens

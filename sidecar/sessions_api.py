@@ -1,0 +1,222 @@
+"""Explicit mode: the HTTP sessions API.
+
+PUT    /v1/sessions/{id}           save a session from a slot (the one that served it, or {"slot": n})
+POST   /v1/sessions/{id}/restore   restore it into a slot of this node ({"slot": n} optional)
+GET    /v1/sessions/{id}           its manifest and where its chunks live
+GET    /v1/sessions                list (?prefix=&after=&limit=)
+DELETE /v1/sessions/{id}           delete the manifest and tail (shared chunks stay)
+
+A slot another request is using is waited for up to ``wait_s`` (body field, default 10 s, at
+most 120 s); then the answer is 409. Session ids never reach the filesystem: slot files are named
+by kvtier.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import numpy as np
+from aiohttp import web
+
+from tiers.errors import KVTierError, TierUnavailable
+from tiers.sessions import SessionIncomplete, SessionNotFound, validate_session_id
+
+from .appkeys import ENGINE, METRICS
+from .middlewares import json_error
+
+MAX_BODY = 64 * 1024
+DEFAULT_WAIT_S = 10.0
+MAX_WAIT_S = 120.0
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, kind: str, message: str):
+        super().__init__(message)
+        self.status, self.kind, self.message = status, kind, message
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    if request.content_length is not None and request.content_length > MAX_BODY:
+        raise ApiError(413, "payload_too_large", f"request body over {MAX_BODY} bytes")
+    raw = await request.content.read(MAX_BODY + 1)
+    if len(raw) > MAX_BODY:
+        raise ApiError(413, "payload_too_large", f"request body over {MAX_BODY} bytes")
+    if not raw.strip():
+        return {}
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ApiError(400, "invalid_request", "request body is not valid JSON") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "invalid_request", "request body must be a JSON object")
+    unknown = set(data) - {"slot", "wait_s"}
+    if unknown:
+        raise ApiError(400, "invalid_request", f"unknown field(s): {', '.join(sorted(unknown))[:200]}")
+    return data
+
+
+def _slot_field(data: dict[str, Any], n_slots: int) -> int | None:
+    slot = data.get("slot")
+    if slot is None:
+        return None
+    if not isinstance(slot, int) or isinstance(slot, bool):
+        raise ApiError(400, "invalid_request", "slot must be an integer")
+    if not 0 <= slot < n_slots:
+        raise ApiError(400, "invalid_request", f"slot must be in 0..{n_slots - 1}")
+    return slot
+
+
+def _wait_field(data: dict[str, Any]) -> float:
+    wait = data.get("wait_s", DEFAULT_WAIT_S)
+    if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not 0 <= wait <= MAX_WAIT_S:
+        raise ApiError(400, "invalid_request", f"wait_s must be a number in 0..{MAX_WAIT_S:g}")
+    return float(wait)
+
+
+def _session_id(request: web.Request) -> str:
+    try:
+        return validate_session_id(request.match_info["id"])
+    except ValueError as exc:
+        raise ApiError(400, "invalid_request", str(exc)) from None
+
+
+async def _engine_ready(request: web.Request):  # type: ignore[no-untyped-def]
+    engine = request.app[ENGINE]
+    if not await engine.ensure_ready():
+        raise ApiError(503, "unavailable", f"llama-server is not ready: {engine.last_error}")
+    return engine
+
+
+def _namespace(request: web.Request, engine: Any):  # type: ignore[no-untyped-def]
+    salt = request.headers.get("X-KVTier-Salt", "")
+    return (engine.target.namespace.salted(salt) if salt else engine.target.namespace), salt
+
+
+async def _acquire(engine: Any, tokens: np.ndarray, slot: int | None, wait: float, salt: str):  # type: ignore[no-untyped-def]
+    try:
+        return await engine.slots.acquire(tokens, want=slot, timeout=wait, owner=salt)
+    except TimeoutError:
+        raise ApiError(409, "conflict", f"slot {slot if slot is not None else '(any)'} stayed busy for {wait:g} s") from None
+
+
+async def save_session(request: web.Request) -> web.Response:
+    session_id = _session_id(request)
+    data = await _body(request)
+    engine = await _engine_ready(request)
+    slot = _slot_field(data, engine.target.n_slots)
+    wait = _wait_field(data)
+    if slot is None:
+        slot = engine.session_slots.get(session_id)
+        if slot is None:
+            raise ApiError(400, "invalid_request",
+                           "no slot is known to have served this session here; pass {\"slot\": n}")
+    ns, salt = _namespace(request, engine)
+    t0 = time.perf_counter()
+    lease = await _acquire(engine, np.zeros(0, np.int32), slot, wait, salt)
+    try:
+        if lease.foreign:
+            raise ApiError(403, "forbidden", "that slot holds another tenant's conversation")
+        if engine.slots.tokens(slot).size == 0:
+            raise ApiError(409, "conflict", f"slot {slot} holds no conversation")
+        manifest = await engine.save_session(slot, ns, session_id, owner=salt)
+    finally:
+        engine.slots.release(lease.slot)
+    return web.json_response({
+        "id": session_id, "slot": slot, "tokens": manifest.n_tokens, "chunks": manifest.chunks,
+        "tail_tokens": manifest.tail_tokens, "bytes": manifest.bytes, "shared": engine.sessions.shared,
+        "ms": round((time.perf_counter() - t0) * 1000, 2),
+    })
+
+
+async def restore_session(request: web.Request) -> web.Response:
+    session_id = _session_id(request)
+    data = await _body(request)
+    engine = await _engine_ready(request)
+    slot = _slot_field(data, engine.target.n_slots)
+    wait = _wait_field(data)
+    ns, salt = _namespace(request, engine)
+    manifest = await engine.sessions.load(ns, session_id)
+    if manifest.n_tokens > engine.target.n_ctx_slot > 0:
+        raise ApiError(400, "invalid_request", f"session has {manifest.n_tokens} tokens; slots hold {engine.target.n_ctx_slot}")
+    lease = await _acquire(engine, manifest.tokens, slot, wait, salt)
+    try:
+        n, tier, ms = await engine.restore_session(lease.slot, manifest, namespace=ns, salt=salt)
+        engine.session_slots[session_id] = lease.slot
+    finally:
+        engine.slots.release(lease.slot)
+    request.app[METRICS].requests.labels("session_restore", "ok").inc()
+    return web.json_response({"id": session_id, "slot": lease.slot, "n_restored": n, "tier": tier,
+                              "ms": round(ms, 2)})
+
+
+async def get_session(request: web.Request) -> web.Response:
+    session_id = _session_id(request)
+    engine = await _engine_ready(request)
+    ns, _ = _namespace(request, engine)
+    manifest = await engine.sessions.load(ns, session_id)
+    found = await engine.store.lookup(ns, manifest.tokens, manifest.chunks)
+    where: dict[str, int] = {}
+    for tier in found.tiers:
+        where[tier] = where.get(tier, 0) + 1
+    return web.json_response({**manifest.public(), "shared": engine.sessions.shared,
+                              "chunks_available": found.n_chunks, "chunks_by_tier": where})
+
+
+async def list_sessions(request: web.Request) -> web.Response:
+    engine = await _engine_ready(request)
+    q = request.query
+    prefix = q.get("prefix", "")
+    after = q.get("after", "")
+    try:
+        limit = int(q.get("limit", "100"))
+    except ValueError:
+        raise ApiError(400, "invalid_request", "limit must be an integer") from None
+    if not 1 <= limit <= 1000:
+        raise ApiError(400, "invalid_request", "limit must be in 1..1000")
+    ns, _ = _namespace(request, engine)
+    try:
+        items = await engine.sessions.list(ns, prefix, after=after[:128], limit=limit)
+    except ValueError as exc:
+        raise ApiError(400, "invalid_request", str(exc)) from None
+    body: dict[str, Any] = {"sessions": [m.public() for m in items], "shared": engine.sessions.shared}
+    if len(items) == limit:
+        body["next"] = items[-1].id
+    return web.json_response(body)
+
+
+async def delete_session(request: web.Request) -> web.Response:
+    session_id = _session_id(request)
+    engine = await _engine_ready(request)
+    ns, _ = _namespace(request, engine)
+    if not await engine.sessions.delete(ns, session_id):
+        raise SessionNotFound(f"no session {session_id!r}")
+    engine.session_slots.pop(session_id, None)
+    return web.json_response({"id": session_id, "deleted": True})
+
+
+@web.middleware
+async def sessions_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Typed errors of the sessions API as JSON with the right status."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return json_error(exc.status, exc.kind, exc.message)
+    except SessionNotFound as exc:
+        return json_error(404, "not_found", str(exc))
+    except SessionIncomplete as exc:
+        return json_error(410, "gone", str(exc))
+    except TierUnavailable as exc:
+        return json_error(503, "unavailable", str(exc))
+    except KVTierError as exc:
+        return json_error(502, "cache_error", str(exc))
+
+
+ROUTES = [
+    web.put("/v1/sessions/{id}", save_session),
+    web.post("/v1/sessions/{id}/restore", restore_session),
+    web.get("/v1/sessions/{id}", get_session),
+    web.get("/v1/sessions", list_sessions),
+    web.delete("/v1/sessions/{id}", delete_session),
+]
