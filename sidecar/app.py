@@ -75,11 +75,15 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     app[STORE] = store
     app[REDIS] = redis
     app[ENGINE] = engine
-    monitor = asyncio.get_running_loop().create_task(_watch_llama_server(engine), name="kvtier-health")
+    loop = asyncio.get_running_loop()
+    tasks = [loop.create_task(_watch_llama_server(engine), name="kvtier-health")]
+    if settings.prewarm:
+        tasks.append(loop.create_task(engine.prewarm_forever(), name="kvtier-prewarm"))
     try:
         yield
     finally:
-        monitor.cancel()
+        for task in tasks:
+            task.cancel()
         drained = await engine.drain(settings.shutdown_timeout)
         if not drained:
             log.warning("shutdown: pending slot saves did not finish in %.0fs", settings.shutdown_timeout)

@@ -429,6 +429,20 @@ class KVEngine:
         except Exception as exc:
             log.debug("publishing an event failed: %s", exc)
 
+    async def prewarm_forever(self) -> None:
+        """Pre-warming: copy chunks other nodes announce into this node's local tiers."""
+        if self.events is None:
+            return
+        while not await self.ensure_ready():
+            await asyncio.sleep(2)
+        assert self.target is not None
+        async for event in self.events.events(events_channel(self.target.namespace)):
+            if event.get("type") != "chunk_stored":
+                continue
+            keys = [k.encode() for k in event.get("keys", []) if isinstance(k, str) and k.startswith("kvtier:")]
+            copied = await self.store.prefetch(keys[:4096])
+            self.metrics.prewarmed.inc(copied)
+
     async def drain(self, timeout: float) -> bool:
         """Wait for pending saves (graceful shutdown)."""
         if not self._pending:

@@ -64,6 +64,7 @@ class Metrics:
         self.bytes_saved = Counter("kvtier_bytes_saved", "New chunk bytes stored", registry=r)
         self.slot_queue = Gauge("kvtier_slot_queue_depth", "Requests waiting for a slot", registry=r)
         self.pending_saves = Gauge("kvtier_pending_saves", "Slot saves not finished yet", registry=r)
+        self.prewarmed = Counter("kvtier_prewarmed_chunks", "Chunks copied into local tiers from peers' events", registry=r)
         self.redis_circuit = Gauge("kvtier_redis_circuit_open", "1 while the Redis circuit breaker is open", registry=r)
 
     def attach_store(self, store: TieredStore) -> None:

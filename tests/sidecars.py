@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -48,7 +50,12 @@ async def run_sidecar(settings: Settings) -> AsyncIterator[Sidecar]:
     try:
         yield Sidecar(f"http://127.0.0.1:{port}", app, settings)
     finally:
-        await runner.cleanup()
+        try:
+            await asyncio.wait_for(runner.cleanup(), 90)
+        except TimeoutError:
+            for task in asyncio.all_tasks():
+                task.print_stack(file=sys.stderr)
+            raise
 
 
 @dataclass

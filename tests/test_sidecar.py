@@ -158,7 +158,10 @@ async def test_eight_concurrent_clients(cluster: Cluster) -> None:
 
 async def test_redis_down_mid_conversation(cluster: Cluster) -> None:
     c = cluster
-    questions = ["How many marbles are in box 20?", "What colour is box 21?", "And box 22?", "And box 23?"]
+    more = " ".join(f"Extra box {i} is {['red', 'green'][i % 2]}." for i in range(40, 58))
+    # turn 3 adds over two chunks, so turn 4 on B needs chunks only Redis has
+    questions = ["How many marbles are in box 20?", "What colour is box 21?", f"New boxes: {more} Which is box 41?",
+                 "And box 23?"]
     direct = await converse([c.direct.url] * 4, questions, salt="")
     history: list[dict[str, str]] = []
     # turn 1 on A with Redis up

@@ -300,6 +300,32 @@ class TieredStore:
                     log.warning("could not delete a damaged value from %s", tier.name, exc_info=True)
         return None
 
+    async def prefetch(self, keys: Sequence[bytes]) -> int:
+        """Copy values that only the background tiers hold into the synchronous ones (pre-warming).
+
+        Values are copied as stored; every read verifies them anyway. Returns how many were copied.
+        """
+        if not self._sync or not self._background or not keys:
+            return 0
+        copied = 0
+        for tier in self._sync:
+            try:
+                present = await tier.contains_many(keys)
+            except Exception:
+                continue
+            wanted = [k for k, ok in zip(keys, present) if not ok]
+            for source in self._background:
+                if not wanted:
+                    break
+                try:
+                    got = await source.get_many(wanted)
+                    if got:
+                        copied += await tier.put_many({k: bytes(v) for k, v in got.items()})
+                except Exception:
+                    log.warning("prefetch from %s into %s failed", source.name, tier.name, exc_info=True)
+                wanted = [k for k in wanted if k not in got]
+        return copied
+
     async def delete_everywhere(self, keys: Sequence[bytes]) -> None:
         for tier in self.tiers:
             try:
