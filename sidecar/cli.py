@@ -79,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if command == "serve":
             return cmd_serve(rest)
         if command == "state" and rest[:1] == ["inspect"]:
-            from integrations.statefile import inspect_main
+            from integrations.fingerprint import inspect_main
 
             return inspect_main(rest[1:])
         if command == "demo":

@@ -1,0 +1,245 @@
+"""What a state is: model identity, KV layout fingerprint, and ``kvtier state inspect``.
+
+``model_identity`` hashes a GGUF file's bytes (metadata and tensors) once per (realpath, size,
+mtime) and remembers the answer in-process and in a small JSON file, so a 100 MB model is read
+once per machine, not once per start. ``layout_fingerprint`` adds the KV layout (layer count, K/V
+types and row sizes) but not the V layout: every chunk records its own and assembly converts it.
+The fingerprint goes into ``tiers.keys.Namespace(fingerprint=...)``. ``inspect`` describes a slot
+file for operators (and, given the model, the namespace its chunks are stored under).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from tiers.errors import StateFormatError
+from tiers.keys import Namespace
+
+from .chunks import ChunkInfo, read_chunk_header
+from .statefile import SeqState, StateLayout, ggml_type_name, parse_state
+
+BLOCK_BYTES = 8 << 20  # 8 MiB reads while hashing a model
+CACHE_FILE = "model-ids.json"
+IDENTITY_PREFIX = "gguf-xxh3-128:"
+FINGERPRINT_VERSION = "kvtier-layout/1"
+
+_lock = threading.Lock()
+_memo: dict[tuple[str, int, int], str] = {}
+
+
+def _cache_path() -> Path:
+    root = os.environ.get("KVTIER_CACHE") or str(Path.home() / ".cache" / "kvtier")
+    return Path(root) / CACHE_FILE
+
+
+def _load(path: Path) -> dict[str, str]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in data.items() if isinstance(k, str) and isinstance(v, str)} if isinstance(data, dict) else {}
+
+
+def _store(path: Path, key: str, value: str) -> None:
+    """Add one entry; the file is a cache, so any failure to write it is ignored."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = _load(path)
+        data[key] = value
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".model-ids.", suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def hash_file(path: str | Path) -> str:
+    """xxh3-128 hex digest of a whole file, read in ``BLOCK_BYTES`` blocks."""
+    h = xxhash.xxh3_128()
+    buf = bytearray(BLOCK_BYTES)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def model_identity(gguf_path: str | Path, *, cache_file: str | Path | None = None) -> str:
+    """Identity of a model file: a hash of its bytes, cached by (realpath, size, mtime_ns).
+
+    Args:
+        gguf_path: the GGUF file llama-server loads.
+        cache_file: the JSON cache (default ``$KVTIER_CACHE/model-ids.json`` or
+            ``~/.cache/kvtier/model-ids.json``).
+
+    Raises:
+        OSError: the file cannot be read.
+    """
+    real = os.path.realpath(gguf_path)
+    st = os.stat(real)
+    key = (real, st.st_size, st.st_mtime_ns)
+    with _lock:
+        if key in _memo:
+            return _memo[key]
+    path = Path(cache_file) if cache_file is not None else _cache_path()
+    skey = f"{real}|{st.st_size}|{st.st_mtime_ns}"
+    ident = _load(path).get(skey)
+    if ident is None or not ident.startswith(IDENTITY_PREFIX):
+        ident = IDENTITY_PREFIX + hash_file(real)
+        _store(path, skey, ident)
+    with _lock:
+        _memo[key] = ident
+    return ident
+
+
+def layout_of(source: SeqState | StateLayout | ChunkInfo | bytes | bytearray | memoryview) -> StateLayout:
+    """The KV layout of a parsed state, a chunk (header or payload) or a layout itself.
+
+    Raises:
+        ValueError: a state without cells (an empty slot) has no layout yet.
+    """
+    if isinstance(source, StateLayout):
+        return source
+    if isinstance(source, ChunkInfo):
+        return source.layout
+    if isinstance(source, SeqState):
+        layout = source.layout
+        if layout is None:
+            raise ValueError(f"a {source.memory_kind} state without cells has no KV layout")
+        return layout
+    return read_chunk_header(source).layout
+
+
+def layout_fingerprint(
+    model_id: str, state_or_layout: SeqState | StateLayout | ChunkInfo | bytes | bytearray | memoryview
+) -> str:
+    """Fingerprint of model identity + layer count + K/V types + K/V row sizes (not the V layout).
+
+    A state whose memory is opaque (recurrent, hybrid) has no KV layout: its fingerprint is the
+    model identity's alone, for whole-state storage.
+
+    Returns:
+        32 hex characters (BLAKE2b-128), stable across processes and machines.
+    """
+    if isinstance(state_or_layout, SeqState) and state_or_layout.memory_kind == "opaque":
+        parts = [FINGERPRINT_VERSION, model_id, "opaque"]
+    else:
+        layout = layout_of(state_or_layout)
+        parts = [FINGERPRINT_VERSION, model_id, str(layout.n_layer)]
+        parts += [f"{la.k_type}:{la.k_row_size}:{la.v_type}:{la.v_row_size}" for la in layout.layers]
+    return hashlib.blake2b("\0".join(parts).encode(), digest_size=16).hexdigest()
+
+
+# -- inspect --------------------------------------------------------------------------------------
+
+
+def describe(state: SeqState) -> dict[str, Any]:
+    """JSON-ready summary of a parsed state (what ``kvtier state inspect`` prints)."""
+    layout = state.layout
+    full = state.cell_streams()
+    # One stream per cache describes the layers (every stream of a cache has the same ones).
+    firsts = [next((s for s in c.streams if s.n_cells), None) for c in state.caches]
+    layers = [la for s in firsts if s is not None for la in s.layers]
+    return {
+        "file_bytes": state.nbytes,
+        "version": state.version,
+        "token_format": state.tokens.format,
+        "n_tokens": state.n_tokens,
+        "n_media": int(state.tokens.media_keys.size),
+        "memory_kind": state.memory_kind,
+        "memory_bytes": state.memory.nbytes,
+        "n_stream": state.n_stream,
+        "stream_cells": [[s.n_cells for s in c.streams] for c in state.caches],
+        "cells": sum(s.n_cells for s in full),
+        "cell_ext": state.cell_ext,
+        "seq_ids": sorted({int(x) for s in full for x in np.unique(s.seq_ids)}),
+        "pos_range": [int(min(s.pos.min() for s in full)), int(max(s.pos.max() for s in full))] if full else None,
+        "n_layer": layout.n_layer if layout else None,
+        "v_trans": state.v_trans,
+        "k_types": [ggml_type_name(la.k_type) for la in layers],
+        "v_types": [ggml_type_name(la.v_type) for la in layers],
+        "k_row_sizes": [la.k_row_size for la in layers],
+        "v_row_sizes": [la.v_row_size for la in layers],
+        "bytes_per_token": layout.bytes_per_token if layout else None,
+        "splittable": state.splittable,
+        "split_reason": state.split_reason,
+    }
+
+
+def inspect(path: str | Path, *, model: str | Path | None = None, chunk_tokens: int | None = None) -> dict[str, Any]:
+    """Parse the file at ``path`` (opaque memory allowed) and describe it.
+
+    Args:
+        path: a slot file.
+        model: the GGUF the state belongs to; adds ``model_id``, ``fingerprint`` and ``namespace_id``.
+        chunk_tokens: chunk size of the namespace (default: ``tiers.keys.DEFAULT_CHUNK_TOKENS``).
+
+    Raises:
+        StateFormatError: the file is not a readable sequence-state file.
+        OSError: a file cannot be read.
+    """
+    state = parse_state(Path(path).read_bytes(), allow_opaque=True)
+    info = describe(state)
+    if model is not None and (state.layout is not None or state.memory_kind == "opaque"):
+        ident = model_identity(model)
+        fp = layout_fingerprint(ident, state)
+        ns = Namespace(fp, chunk_tokens=chunk_tokens) if chunk_tokens else Namespace(fp)
+        info.update(model_id=ident, fingerprint=fp, namespace_id=ns.id, chunk_tokens=ns.chunk_tokens)
+    return info
+
+
+def _compact(values: list[Any]) -> str:
+    uniq = list(dict.fromkeys(values))
+    return str(uniq[0]) if len(uniq) == 1 else ",".join(map(str, values))
+
+
+def inspect_main(argv: list[str]) -> int:
+    """``kvtier state inspect FILE [--json]``; returns the exit status (0 ok, 1 bad file)."""
+    ap = argparse.ArgumentParser(prog="kvtier state inspect", description="Describe a llama.cpp slot state file.")
+    ap.add_argument("file")
+    ap.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    ap.add_argument("--model", help="the model's GGUF: also print the layout fingerprint and namespace id")
+    ap.add_argument("--chunk-tokens", type=int, default=None, help="chunk size of the namespace")
+    args = ap.parse_args(argv)
+    try:
+        info = inspect(args.file, model=args.model, chunk_tokens=args.chunk_tokens)
+    except (OSError, StateFormatError) as exc:
+        print(f"kvtier state inspect: {args.file}: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    media = f", {info['n_media']} media" if info["n_media"] else ""
+    rows = [
+        ("file", f"{args.file} ({info['file_bytes']:,} bytes)"),
+        ("tokens", f"{info['n_tokens']} ({info['token_format']}{media})"),
+        ("memory", f"{info['memory_kind']} ({info['memory_bytes']:,} bytes)"),
+        ("streams", f"{info['n_stream']}  cells per stream {info['stream_cells']}"),
+        ("cells", f"{info['cells']}  positions {info['pos_range']}  seq ids {info['seq_ids']}"),
+        ("layers", str(info["n_layer"])),
+        ("V layout", {None: "-", False: "rows (flash attention)", True: "transposed"}[info["v_trans"]]),
+        ("K types", _compact(info["k_types"]) or "-"),
+        ("V types", _compact(info["v_types"]) or "-"),
+        ("K/V row bytes", f"{_compact(info['k_row_sizes']) or '-'} / {_compact(info['v_row_sizes']) or '-'}"),
+        ("bytes/token", str(info["bytes_per_token"])),
+        ("splittable", "yes" if info["splittable"] else f"no: {info['split_reason']}"),
+    ]
+    if "fingerprint" in info:
+        rows += [("model id", info["model_id"]), ("fingerprint", info["fingerprint"]),
+                 ("namespace", f"{info['namespace_id']} ({info['chunk_tokens']}-token chunks)")]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0

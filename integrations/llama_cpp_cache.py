@@ -1,0 +1,616 @@
+"""kvtier as llama-cpp-python's cache: ``llm.set_cache(KVTierCache(llm, redis_url=...))``.
+
+llama-cpp-python's own caches (``LlamaRAMCache``, ``LlamaDiskCache``) keep one whole-context state
+per completion, keyed by its token tuple, scan every key for the longest prefix and pickle to local
+disk. ``KVTierCache`` keeps the KV of the context's sequence cut into the prefix chunks of the
+llama-server path: the same namespace, keys and chunk payloads as the sidecar, in the same tiers
+(this process's memory, a node-shared directory, Redis). A prefix is stored once however many
+conversations share it, a lookup is one hash per chunk and one probe per tier, and any process,
+machine or llama-server of the same model and KV layout can restore what another computed.
+
+How it plugs in. ``Llama._create_completion`` asks ``cache[prompt_tokens]`` for the longest stored
+prefix and hands the answer to ``Llama.load_state``, which calls ``llama_state_set_data`` (a
+whole-context state). ``__getitem__`` therefore assembles the chunks into a slot-file image and
+prefixes its memory with the model's architecture header: in this llama.cpp a whole-context state
+is exactly that (no logits, no embeddings), so the value is the prefix's KV and nothing more, and an
+unmodified ``Llama`` restores it. After the answer, ``cache[prompt + completion] = llm.save_state()``
+calls ``__setitem__``, which reads the sequence itself (``llama_state_seq_get_data``) and stores
+only the chunks no tier holds yet. For explicit control (your own ``generate`` loop, sessions),
+``restore``/``save`` and ``restore_session``/``save_session`` work per sequence
+(``llama_state_seq_set_data``) and set the ``Llama`` object's token bookkeeping themselves.
+
+Every cache step is best-effort: a miss, a damaged or foreign chunk, an unreachable Redis or an
+error only means the prompt is evaluated as without a cache. Nothing read from a store is unpickled:
+values are checked blobs (``tiers.codec``), their payloads raw KV rows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import threading
+import time
+import weakref
+from collections.abc import Coroutine, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, TypeVar
+
+import numpy as np
+from llama_cpp.llama import Llama, LlamaState
+from llama_cpp.llama_cache import BaseLlamaCache
+
+from tiers.base import parse_size
+from tiers.codec import BlobCodec
+from tiers.errors import ConfigError, KVTierError
+from tiers.keys import ChunkHash, Namespace, as_token_array, chunk_key, events_channel, prefix_chain
+from tiers.memory import MemoryTier
+from tiers.store import FetchResult, StoreResult, TieredStore
+
+from .chunks import assemble_state, split_state
+from .fingerprint import layout_fingerprint, model_identity
+from .llama_cpp_state import (
+    ContextInfo,
+    context_tokens,
+    image_from_llama_state,
+    load_seq_image,
+    probe_context,
+    read_seq_image,
+    whole_state_bytes,
+)
+from .statefile import SeqState, parse_state
+
+log = logging.getLogger("kvtier.llama_cpp")
+T = TypeVar("T")
+
+# Defaults, with units.
+DEFAULT_CAPACITY = 2 << 30  # bytes of the in-process memory tier (llama-cpp-python's own default)
+DEFAULT_CHUNK_TOKENS = 256  # tokens per prefix chunk; must equal the sidecar's to share chunks
+DEFAULT_SHARED_CAPACITY = "4G"  # bytes of the node-shared directory tier, when one is given
+DEFAULT_TIMEOUT = 30.0  # s, the longest one cache call waits for the store (then: a miss)
+DRAIN_TIMEOUT = 10.0  # s, how long close() waits for queued Redis writes
+
+# Scores of a restored state: Llama.load_state broadcasts them into its score rows. Sampling reads
+# llama.cpp's logits of the (always re-evaluated) last prompt token, never these.
+_NO_SCORES = np.zeros((1, 1), dtype=np.single)
+
+
+# -- a TieredStore for synchronous code ----------------------------------------------------------
+
+
+def _run_loop(loop: asyncio.AbstractEventLoop) -> None:
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_forever()
+    finally:
+        pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+
+
+def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, store: TieredStore | None,
+              drain_timeout: float) -> None:
+    """Drain and close the store on its loop, then stop the loop and join its thread (idempotent)."""
+    if loop.is_closed() or not thread.is_alive():
+        return
+    if store is not None:
+        try:
+            asyncio.run_coroutine_threadsafe(store.aclose(drain_timeout), loop).result(drain_timeout + 5)
+        except Exception:
+            log.warning("closing the kvtier store failed", exc_info=True)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+
+
+class SyncStore:
+    """A ``TieredStore`` for synchronous callers: it lives on an event loop in a daemon thread.
+
+    llama-cpp-python is synchronous and the tiers are asyncio; ``call`` runs one coroutine on the
+    store's loop and waits for it (``asyncio.run_coroutine_threadsafe``). Background Redis writes
+    go on while the caller computes. ``close()`` (or the context manager, or garbage collection, or
+    interpreter exit) drains queued writes for up to ``drain_timeout`` seconds and stops the loop.
+
+    Args:
+        memory_bytes: capacity of the in-process memory tier (an int or a size such as ``"2G"``).
+        redis_url: Redis/Valkey URL (see ``tiers.redis_urls``); None: no Redis tier.
+        redis_ttl: seconds a chunk lives in Redis after its last write or read (None: no expiry).
+        redis_options: further ``RedisTier`` keyword arguments (timeouts, credentials, ...).
+        shared_dir: a directory shared by the processes of this node (e.g. in /dev/shm); None: none.
+        shared_bytes: capacity of the shared directory tier.
+        compression: the blob codec's compression (``adaptive``, ``lz4``, ``zstd``, ``none``).
+        drain_timeout: seconds ``close()`` waits for queued Redis writes.
+    """
+
+    def __init__(
+        self,
+        *,
+        memory_bytes: int | str = DEFAULT_CAPACITY,
+        redis_url: str | None = None,
+        redis_ttl: float | None = None,
+        redis_options: Mapping[str, Any] | None = None,
+        shared_dir: str | os.PathLike[str] | None = None,
+        shared_bytes: int | str = DEFAULT_SHARED_CAPACITY,
+        compression: str = "adaptive",
+        drain_timeout: float = DRAIN_TIMEOUT,
+    ):
+        codec = BlobCodec(compression)
+        memory = parse_size(memory_bytes, name="memory capacity")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=_run_loop, args=(self._loop,), name="kvtier-llama-cpp", daemon=True)
+        self._thread.start()
+        self.redis: Any | None = None
+        self._sessions: Any | None = None
+        try:
+            # Tiers are built on the loop: asyncio clients belong to the loop that runs them.
+            self.store, self.redis = self.call(
+                self._build(codec, memory, redis_url, redis_ttl, dict(redis_options or {}), shared_dir, shared_bytes)
+            )
+        except BaseException:
+            _shutdown(self._loop, self._thread, None, 0)
+            raise
+        self._finalizer = weakref.finalize(self, _shutdown, self._loop, self._thread, self.store, drain_timeout)
+
+    @staticmethod
+    async def _build(codec: BlobCodec, memory: int, redis_url: str | None, redis_ttl: float | None,
+                     redis_options: dict[str, Any], shared_dir: Any, shared_bytes: int | str
+                     ) -> tuple[TieredStore, Any | None]:
+        tiers: list[Any] = [MemoryTier(memory)]
+        if shared_dir is not None:
+            from tiers.shared import SharedTier
+
+            tiers.append(SharedTier(shared_dir, shared_bytes))
+        redis = None
+        if redis_url:
+            from tiers.redis_tier import RedisTier
+
+            redis = RedisTier(redis_url, ttl=redis_ttl, **redis_options)
+            tiers.append(redis)
+        return TieredStore(tiers, codec), redis
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float | None = DEFAULT_TIMEOUT) -> T:
+        """Run ``coro`` on the store's loop and return its result.
+
+        Raises:
+            KVTierError: the store is closed. TimeoutError: ``timeout`` passed (the call is cancelled).
+        """
+        if self._loop.is_closed() or not self._thread.is_alive():
+            coro.close()
+            raise KVTierError("the kvtier store is closed")
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout)
+        except TimeoutError:
+            future.cancel()
+            raise
+
+    @property
+    def memory(self) -> MemoryTier:
+        tier = self.store.tiers[0]
+        assert isinstance(tier, MemoryTier)
+        return tier
+
+    @property
+    def sessions(self) -> Any:
+        """The ``tiers.sessions.SessionStore`` of this store (manifests in Redis when configured)."""
+        if self._sessions is None:
+            from tiers.sessions import SessionStore
+
+            self._sessions = SessionStore(self.store, self.redis)
+        return self._sessions
+
+    def flush(self, timeout: float | None = 30.0) -> bool:
+        """Wait until queued Redis writes are done; False if ``timeout`` passed first."""
+        return bool(self.call(self.store.flush(timeout), None if timeout is None else timeout + 5))
+
+    def close(self) -> None:
+        """Drain queued writes (bounded), close the tiers and stop the loop thread. Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> SyncStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- the cache ------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class CacheCounters:
+    """What the cache did since it was created."""
+
+    lookups: int = 0  # __getitem__ calls
+    hits: int = 0  # lookups answered with a prefix longer than the context already held
+    tokens_restored: int = 0
+    saves: int = 0  # states split and offered to the store
+    chunks_written: int = 0  # chunks new to at least one tier
+    bytes_written: int = 0  # encoded bytes of those chunks
+    errors: int = 0  # failed cache steps (each one answered as a miss / skipped)
+
+
+def _lora_salt(llm: Llama, salt: str) -> str:
+    """A LoRA adapter changes every K and V: its identity and scale go into the namespace salt."""
+    path = getattr(llm, "lora_path", None)
+    if not path:
+        return salt
+    lora = f"lora:{model_identity(path)}:{float(getattr(llm, 'lora_scale', 1.0))!r}"
+    return f"{salt}\0{lora}" if salt else lora
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(a.size, b.size)
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n
+
+
+class KVTierCache(BaseLlamaCache):
+    """A llama-cpp-python cache backed by kvtier's tiers; pass it to ``llm.set_cache``.
+
+    The cache is bound to one ``Llama``: it learns the context's KV layout, V layout and stream
+    count from it at construction (a fresh context evaluates one token for that, then is reset),
+    reads the sequence from it after each completion, and restores into it.
+
+    Args:
+        llm: the ``llama_cpp.Llama`` this cache serves.
+        redis_url: share chunks through Redis/Valkey (``redis://``, ``rediss://``, sentinel, cluster).
+        capacity_bytes: capacity of the in-process memory tier.
+        chunk_tokens: tokens per prefix chunk; equal to the sidecar's ``chunk_tokens`` to share
+            prefixes with llama-servers.
+        salt: tenant salt: caches with different salts never share a chunk.
+        shared_dir, shared_capacity: a directory tier shared by the processes of one node.
+        redis_ttl: seconds a chunk lives in Redis after its last use (None: no expiry).
+        redis_options: further ``RedisTier`` keyword arguments.
+        compression: the blob codec's compression.
+        model_id: an explicit model identity (the sidecar's ``--model-id``); default: a hash of the
+            GGUF file (``integrations.fingerprint.model_identity``), as the sidecar computes it.
+        store: an existing ``SyncStore`` to share between caches (not closed by this cache).
+        timeout: seconds one lookup or save may wait on the store before it counts as a miss.
+
+    Raises:
+        ConfigError: the model's memory cannot be cut into prefix chunks (sliding-window, recurrent
+            or hybrid memory, M-RoPE cells).
+    """
+
+    def __init__(
+        self,
+        llm: Llama,
+        *,
+        redis_url: str | None = None,
+        capacity_bytes: int = DEFAULT_CAPACITY,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+        salt: str = "",
+        shared_dir: str | os.PathLike[str] | None = None,
+        shared_capacity: int | str = DEFAULT_SHARED_CAPACITY,
+        redis_ttl: float | None = None,
+        redis_options: Mapping[str, Any] | None = None,
+        compression: str = "adaptive",
+        model_id: str | None = None,
+        store: SyncStore | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+    ):
+        super().__init__(capacity_bytes)
+        self.llm = llm
+        self.info: ContextInfo = probe_context(llm)
+        if self.info.split_reason is not None:
+            raise ConfigError(f"KVTierCache needs a KV cache it can cut into prefix chunks: {self.info.split_reason}")
+        identity = "id:" + model_id if model_id else model_identity(llm.model_path)
+        self.namespace = Namespace(layout_fingerprint(identity, self.info.layout), _lora_salt(llm, salt), chunk_tokens)
+        self.timeout = timeout
+        self._owns_store = store is None
+        self.store = store if store is not None else SyncStore(
+            memory_bytes=capacity_bytes, redis_url=redis_url, redis_ttl=redis_ttl, redis_options=redis_options,
+            shared_dir=shared_dir, shared_bytes=shared_capacity, compression=compression,
+        )
+        self.counters = CacheCounters()
+        self.node_id = getattr(self.store.redis, "node_id", None) or f"{socket.gethostname()}:{os.getpid()}"
+        self._warned: set[str] = set()
+
+    def __repr__(self) -> str:
+        return (f"KVTierCache(namespace={self.namespace.id}, chunk_tokens={self.namespace.chunk_tokens}, "
+                f"tiers={[t.name for t in self.store.store.tiers]})")
+
+    # -- BaseLlamaCache -------------------------------------------------------------------------
+
+    @property
+    def cache_size(self) -> int:
+        """Bytes held in this process's memory tier."""
+        return self.store.memory.stats().bytes_used
+
+    def __contains__(self, key: Sequence[int]) -> bool:
+        """True when at least one chunk of ``key``'s prefix is stored (leaving one token to evaluate)."""
+        tokens = as_token_array(key)
+        chain = self._chain(tokens)
+        if not chain:
+            return False
+        try:
+            found = self.store.call(self.store.store.lookup_chain(self.namespace, chain), self.timeout)
+        except Exception as exc:
+            self._failed("lookup", exc)
+            return False
+        return found.n_chunks > 0
+
+    def __getitem__(self, key: Sequence[int]) -> LlamaState:
+        """The longest stored prefix of ``key`` as a whole-context ``LlamaState`` for ``load_state``.
+
+        Only a prefix longer than what the bound ``Llama`` already holds of ``key`` is returned (the
+        ``Llama`` would ignore a shorter one), and never all of ``key``: one token is always left to
+        evaluate, so sampling starts from fresh logits.
+
+        Raises:
+            KeyError: no such prefix (or the store failed: the cache never fails a completion).
+        """
+        self.counters.lookups += 1
+        tokens = as_token_array(key)
+        try:
+            fetched = self._fetch_prefix(tokens)
+            if fetched is None:
+                raise KeyError("no stored prefix longer than what the context holds")
+            image = assemble_state(fetched.payloads, tokens, v_trans=self.info.v_trans, n_stream=self.info.n_stream)
+            whole = whole_state_bytes(image, self.info.arch_header)
+        except KeyError:
+            raise
+        except Exception as exc:
+            self._failed("restore", exc)
+            raise KeyError("kvtier lookup failed") from None
+        n = fetched.n_tokens
+        input_ids = np.full(len(self.llm.input_ids), -1, dtype=np.intc)  # -1 never matches a prompt token
+        input_ids[:n] = tokens[:n]
+        self.counters.hits += 1
+        self.counters.tokens_restored += n
+        log.debug("restoring %d of %d tokens (%s)", n, tokens.size, ",".join(sorted(set(fetched.tiers))))
+        return LlamaState(input_ids=input_ids, scores=_NO_SCORES, n_tokens=n, llama_state=whole,  # type: ignore[arg-type]
+                          llama_state_size=whole.nbytes, seed=self.llm._seed)
+
+    def __setitem__(self, key: Sequence[int], value: LlamaState) -> None:
+        """Store the chunks of the context that ``value`` was saved from (only the new ones)."""
+        try:
+            self._save(as_token_array(key), value)
+        except Exception as exc:
+            self._failed("save", exc)
+
+    # -- explicit, per-sequence use ---------------------------------------------------------------
+
+    def lookup(self, tokens: Sequence[int] | np.ndarray) -> int:
+        """How many leading tokens of ``tokens`` the tiers hold (whole chunks, one token left over)."""
+        chain = self._chain(as_token_array(tokens))
+        if not chain:
+            return 0
+        found = self.store.call(self.store.store.lookup_chain(self.namespace, chain), self.timeout)
+        return found.matched_tokens
+
+    def restore(self, tokens: Sequence[int] | np.ndarray) -> int:
+        """Restore the longest stored prefix of ``tokens`` into the bound ``Llama`` (its sequence 0).
+
+        The ``Llama``'s token bookkeeping is set, so ``llm.generate(tokens)`` or
+        ``llm.create_completion(prompt)`` then evaluates only the rest.
+
+        Returns:
+            Tokens the context now holds of ``tokens`` (what it held already when nothing better
+            is stored).
+        """
+        toks = as_token_array(tokens)
+        have = common_prefix(context_tokens(self.llm), toks)
+        try:
+            fetched = self._fetch_prefix(toks, have)
+            if fetched is None:
+                return have
+            image = assemble_state(fetched.payloads, toks, v_trans=self.info.v_trans, n_stream=self.info.n_stream)
+            n = load_seq_image(self.llm, image)
+        except Exception as exc:
+            self._failed("restore", exc)
+            return common_prefix(context_tokens(self.llm), toks)
+        self.counters.hits += 1
+        self.counters.tokens_restored += n
+        return n
+
+    def save(self) -> StoreResult | None:
+        """Store the full chunks of what the bound ``Llama`` holds now (only those not stored yet)."""
+        return self._save(context_tokens(self.llm), None)
+
+    # -- sessions -------------------------------------------------------------------------------
+
+    def save_session(self, session_id: str) -> Any:
+        """Save the bound ``Llama``'s whole sequence as a session (chunks, partial tail, manifest).
+
+        The manifest is the sidecar's (``tiers.sessions``): with Redis, a sidecar's
+        ``POST /v1/sessions/{id}/restore`` restores it into a llama-server, and the reverse.
+
+        Returns:
+            The ``tiers.sessions.Manifest``.
+
+        Raises:
+            ValueError: a bad session id or an empty context. KVTierError: the store failed.
+        """
+        tokens = context_tokens(self.llm)
+        if tokens.size == 0:
+            raise ValueError("the context holds no tokens to save")
+        state = parse_state(read_seq_image(self.llm, tokens=tokens))
+        if state.split_reason is not None:
+            raise KVTierError(f"this context's state cannot be split into chunks ({state.split_reason})")
+        split = split_state(state, self.namespace.chunk_tokens, tail=True)
+        manifest = self.store.call(self.store.sessions.save(
+            self.namespace, session_id, tokens, lambda i: split.chunks[i], split.tail,
+            node=self.node_id, kv_bytes=int(tokens.size) * split.layout.bytes_per_token,
+        ), None)
+        if self.store.redis is not None:
+            self._publish("session_saved", self.store.redis.publish_session_saved(
+                events_channel(self.namespace), session_id, tokens=int(tokens.size)))
+        return manifest
+
+    def restore_session(self, session_id: str) -> int:
+        """Restore a saved session into the bound ``Llama``; returns its token count.
+
+        Raises:
+            tiers.sessions.SessionNotFound / SessionIncomplete: no such session, or chunks are gone.
+            RestoreError: llama.cpp rejected the state (the context is then empty).
+        """
+        ns = self.namespace
+        sessions = self.store.sessions
+        manifest = self.store.call(sessions.load(ns, session_id), self.timeout)
+        payloads, _tier = self.store.call(sessions.fetch(ns, manifest), self.timeout)
+        image = assemble_state(payloads, manifest.tokens, v_trans=self.info.v_trans, n_stream=self.info.n_stream)
+        n = load_seq_image(self.llm, image)
+        self.counters.tokens_restored += n
+        try:
+            self.store.call(sessions.touch(ns, manifest), self.timeout)
+        except Exception as exc:  # only last_used is lost
+            log.debug("touching session %s failed: %s", session_id, exc)
+        return n
+
+    # -- lifecycle and stats --------------------------------------------------------------------
+
+    def flush(self, timeout: float | None = 30.0) -> bool:
+        """Wait until queued Redis writes are done; False if ``timeout`` passed first."""
+        return self.store.flush(timeout)
+
+    def close(self) -> None:
+        """Drain queued writes and stop the store (unless it was passed in). Idempotent."""
+        if self._owns_store:
+            self.store.close()
+
+    def __enter__(self) -> KVTierCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this cache, per-tier statistics and the store's counters."""
+        return {
+            "namespace": self.namespace.id,
+            **asdict(self.counters),
+            "tiers": {name: asdict(s) for name, s in self.store.store.stats().items()},
+            "store": asdict(self.store.store.counters),
+        }
+
+    # -- internals ------------------------------------------------------------------------------
+
+    def _chain(self, tokens: np.ndarray, max_chunks: int | None = None) -> list[ChunkHash]:
+        C = self.namespace.chunk_tokens
+        # Leave one token to evaluate (fresh logits), and never more than the context holds.
+        limit = min(max(int(tokens.size) - 1, 0), self.info.n_ctx - 1) // C
+        return prefix_chain(self.namespace, tokens, limit if max_chunks is None else min(limit, max_chunks))
+
+    def _fetch_prefix(self, tokens: np.ndarray, have: int | None = None) -> FetchResult | None:
+        """Verified payloads of the longest stored prefix of ``tokens`` when longer than ``have``."""
+        if have is None:
+            have = common_prefix(context_tokens(self.llm), tokens)
+        chain = self._chain(tokens)
+        if len(chain) * self.namespace.chunk_tokens <= have:
+            return None
+        store, ns = self.store.store, self.namespace
+
+        async def lookup_and_fetch() -> FetchResult | None:
+            found = await store.lookup_chain(ns, chain)
+            if found.matched_tokens <= have:
+                return None
+            return await store.fetch(ns, found.chunks)
+
+        fetched = self.store.call(lookup_and_fetch(), self.timeout)
+        if fetched is None or fetched.n_tokens <= have:
+            return None
+        return fetched
+
+    def _save(self, key: np.ndarray, value: LlamaState | None) -> StoreResult | None:
+        t0 = time.perf_counter()
+        llm, ns = self.llm, self.namespace
+        held = context_tokens(llm)
+        if held.size and held.size <= key.size and np.array_equal(held, key[: held.size]):
+            tokens, source = held, "context"
+        elif value is not None and int(value.n_tokens) >= ns.chunk_tokens:
+            # Not what the bound Llama holds (another Llama shares this cache): the value's own bytes.
+            tokens, source = as_token_array(np.asarray(value.input_ids[: value.n_tokens])), "value"
+        else:
+            return None
+        chain = prefix_chain(ns, tokens)
+        if not chain:
+            return None
+        keys = [chunk_key(ns, h) for h in chain]
+        # The memory tier is written first on every save: holding every chunk means nothing is new.
+        if all(self.store.call(self.store.memory.contains_many(keys), self.timeout)):
+            return None
+        if source == "context":
+            image = read_seq_image(llm, tokens=tokens)
+        else:
+            assert value is not None
+            image = image_from_llama_state(value, self.info.arch_header)
+        state = parse_state(image)
+        if state.split_reason is not None:
+            self._warn_once(state.split_reason, "state not stored: %s", state.split_reason)
+            return None
+        result = self.store.call(self.store.store.store(ns, chain, _lazy_chunks(state, ns.chunk_tokens)), self.timeout)
+        self.counters.saves += 1
+        self.counters.chunks_written += result.chunks_written
+        self.counters.bytes_written += result.bytes_encoded
+        if result.chunks_written and self.store.redis is not None:
+            self._publish("chunk_stored", self.store.redis.publish_chunks_stored(
+                events_channel(ns), [chunk_key(ns, h) for h in chain[-result.chunks_written:]]))
+        log.debug("stored %d new of %d chunks in %.1f ms", result.chunks_written, len(chain),
+                  (time.perf_counter() - t0) * 1e3)
+        return result
+
+    def _publish(self, what: str, coro: Coroutine[Any, Any, int]) -> None:
+        try:
+            self.store.call(coro, self.timeout)
+        except Exception as exc:
+            log.debug("publishing %s failed: %s", what, exc)
+
+    def _failed(self, step: str, exc: BaseException) -> None:
+        self.counters.errors += 1
+        log.warning("kvtier %s failed, the prompt is evaluated without it: %s", step, exc)
+
+    def _warn_once(self, key: str, message: str, *args: object) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message, *args)
+
+
+def _lazy_chunks(state: SeqState, chunk_tokens: int) -> Any:
+    """``payloads(i)`` for ``TieredStore.store``: chunks are cut only when a tier lacks them."""
+    cut: dict[int, memoryview] = {}
+
+    def payload(i: int) -> memoryview:
+        if i not in cut:
+            split = split_state(state, chunk_tokens, first_chunk=i)
+            cut.update({split.first_chunk + j: p for j, p in enumerate(split.chunks)})
+        return cut[i]
+
+    return payload
+
+
+# -- module-level helpers -------------------------------------------------------------------------
+
+
+def _cache_of(llm: Llama, cache: KVTierCache | None) -> KVTierCache:
+    cache = cache if cache is not None else getattr(llm, "cache", None)
+    if not isinstance(cache, KVTierCache):
+        raise ValueError("pass cache=KVTierCache(...) or call llm.set_cache(KVTierCache(llm, ...)) first")
+    if cache.llm is not llm:
+        raise ValueError("this KVTierCache is bound to another Llama")
+    return cache
+
+
+def save_session(llm: Llama, session_id: str, *, cache: KVTierCache | None = None) -> Any:
+    """Save what ``llm`` holds as session ``session_id`` (the sidecar's session manifests).
+
+    Uses ``cache`` or the ``KVTierCache`` set on ``llm``. Returns the ``tiers.sessions.Manifest``.
+    """
+    return _cache_of(llm, cache).save_session(session_id)
+
+
+def restore_session(llm: Llama, session_id: str, *, cache: KVTierCache | None = None) -> int:
+    """Restore session ``session_id`` into ``llm``; returns the tokens it now holds.
+
+    The next completion whose prompt starts with the session's tokens evaluates only the rest.
+    """
+    return _cache_of(llm, cache).restore_session(session_id)

@@ -1,0 +1,247 @@
+"""A llama-cpp-python ``Llama`` context as sequence-state file images, and back.
+
+llama-server's slot files and an in-process context share one memory-state format
+(``llama_kv_cache::state_write``); only the wrapping differs:
+
+* slot file (``state_seq_save_file``): ``u32 'ggsq', u32 version, u32 n, n x i32 tokens``, memory
+* ``llama_state_seq_get_data``:        ``u32 io_magic 0xaf143cd8, i32 seq_id``, memory
+* ``llama_state_get_data`` (whole context, what ``Llama.save_state`` / ``load_state`` move):
+  ``u32 len + arch name``, memory of every sequence (this llama.cpp writes no logits or embeddings)
+
+So this module reads a sequence straight into a buffer laid out as a slot-file image (the 8-byte
+seq header lands on the last two words of the token section, which are then overwritten), and the
+rest of kvtier (``parse_state``, ``split_state``, ``assemble_state``, the sidecar) works on it
+unchanged. Restoring does the reverse in place: the 8-byte seq header, or the arch header for a
+whole-context state, is written over the end of the token section of an assembled image. Neither
+direction copies the KV bytes in Python.
+
+``llama_cpp`` is imported lazily: importing this module does not need it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from tiers.errors import KVTierError, StateFormatError
+from tiers.keys import as_token_array
+
+from .statefile import GGSQ_MAGIC, GGSQ_VERSION, HEADER_BYTES, SeqState, StateLayout, alloc_buffer, as_uint8, parse_state
+
+IO_MAGIC = 0xAF143CD8  # llama_context::state_seq_{get,set}_data: io_magic, then the i32 seq id
+_SEQ_HEAD = struct.Struct("<Ii")
+_GGSQ_HEAD = struct.Struct("<III")
+_U32 = struct.Struct("<I")
+
+
+class RestoreError(KVTierError):
+    """llama.cpp refused a state (the context was left empty for that sequence)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ContextInfo:
+    """What restoring into a ``Llama`` context needs, learned from the context itself.
+
+    ``arch_header`` is the start of every whole-context state of this model (``u32 len`` + the
+    architecture name, as ``llama_context::state_write_data`` writes it).
+    """
+
+    arch_header: bytes
+    n_stream: int
+    v_trans: bool
+    layout: StateLayout
+    n_ctx: int
+    split_reason: str | None  # why this model's states cannot be cut into prefix chunks, or None
+
+
+def _api() -> Any:
+    import llama_cpp  # lazy: the core package works without llama-cpp-python
+
+    return llama_cpp
+
+
+def _ctx(llm: Any) -> Any:
+    return llm._ctx.ctx  # llama_context_p of a llama_cpp.Llama
+
+
+def memory_offset(image: bytes | bytearray | memoryview | np.ndarray) -> int:
+    """Offset of the memory state in a slot-file image (after the header and the token section)."""
+    arr = as_uint8(image)
+    if arr.size < HEADER_BYTES:
+        raise StateFormatError("not a sequence-state image")
+    magic, _, n_words = _GGSQ_HEAD.unpack_from(memoryview(arr), 0)
+    if magic != GGSQ_MAGIC:
+        raise StateFormatError("not a sequence-state image (bad magic)")
+    at = HEADER_BYTES + 4 * n_words
+    if at > arr.size:
+        raise StateFormatError("token section runs past the image")
+    return at
+
+
+def context_tokens(llm: Any) -> np.ndarray:
+    """The tokens a ``Llama`` has evaluated (its bookkeeping: ``input_ids[:n_tokens]``), int32."""
+    return as_token_array(np.asarray(llm.input_ids[: llm.n_tokens]))
+
+
+def read_seq_image(llm: Any, seq_id: int = 0, tokens: Sequence[int] | np.ndarray | None = None) -> np.ndarray:
+    """The sequence ``seq_id`` of ``llm``'s context as a slot-file image (what llama-server saves).
+
+    Args:
+        llm: a ``llama_cpp.Llama``.
+        seq_id: the sequence (a ``Llama`` uses 0).
+        tokens: the token section to write (default: the tokens ``llm`` has evaluated).
+
+    Returns:
+        A uint8 array: ``ggsq`` header, tokens, then the memory state exactly as llama.cpp wrote it.
+
+    Raises:
+        StateFormatError: llama.cpp wrote fewer bytes than it announced, or an unexpected header.
+    """
+    lib = _api()
+    ctx = _ctx(llm)
+    toks = context_tokens(llm) if tokens is None else as_token_array(tokens)
+    size = int(lib.llama_state_seq_get_size(ctx, seq_id))
+    if size < _SEQ_HEAD.size:
+        raise StateFormatError(f"llama_state_seq_get_size returned {size}")
+    mem_at = HEADER_BYTES + 4 * int(toks.size)
+    arr, view = alloc_buffer(mem_at - _SEQ_HEAD.size + size)
+    dst = (ctypes.c_uint8 * size).from_buffer(arr, mem_at - _SEQ_HEAD.size)
+    try:
+        got = int(lib.llama_state_seq_get_data(ctx, dst, size, seq_id))
+    finally:
+        del dst  # release the buffer export
+    if got != size:
+        raise StateFormatError(f"llama_state_seq_get_data wrote {got} of {size} bytes")
+    magic, sid = _SEQ_HEAD.unpack_from(view, mem_at - _SEQ_HEAD.size)
+    if magic != IO_MAGIC or sid != seq_id:
+        raise StateFormatError(f"unexpected sequence-state header {magic:#x}/{sid}")
+    _GGSQ_HEAD.pack_into(view, 0, GGSQ_MAGIC, GGSQ_VERSION, int(toks.size))
+    arr[HEADER_BYTES:mem_at].view("<i4")[:] = toks  # overwrites the seq header: it was scratch
+    return arr
+
+
+def image_from_llama_state(state: Any, arch_header: bytes) -> np.ndarray:
+    """A slot-file image from a whole-context ``LlamaState`` (``Llama.save_state()``).
+
+    Valid for a single-sequence context only (the caller checks ``split_reason`` on the parse).
+
+    Raises:
+        StateFormatError: the state is of another model architecture or too short.
+    """
+    data = as_uint8(memoryview(state.llama_state).cast("B"))[: int(state.llama_state_size)]
+    if bytes(data[: len(arch_header)]) != arch_header:
+        raise StateFormatError("LlamaState of another model architecture")
+    toks = as_token_array(np.asarray(state.input_ids[: state.n_tokens]))
+    memory = data[len(arch_header):]
+    mem_at = HEADER_BYTES + 4 * int(toks.size)
+    arr, view = alloc_buffer(mem_at + memory.size)
+    _GGSQ_HEAD.pack_into(view, 0, GGSQ_MAGIC, GGSQ_VERSION, int(toks.size))
+    arr[HEADER_BYTES:mem_at].view("<i4")[:] = toks
+    arr[mem_at:] = memory
+    return arr
+
+
+def _writable(image: bytes | bytearray | memoryview | np.ndarray) -> np.ndarray:
+    arr = as_uint8(image)
+    return arr if arr.flags.writeable else arr.copy()
+
+
+def whole_state_bytes(image: bytes | bytearray | memoryview | np.ndarray, arch_header: bytes) -> memoryview:
+    """The whole-context state (``llama_state_set_data``) of a single-sequence slot-file image.
+
+    Writes ``arch_header`` over the end of the token section, so the result is a view of ``image``'s
+    buffer (a copy only when the token section is shorter than the header).
+    """
+    arr = _writable(image)
+    mem_at = memory_offset(arr)
+    start = mem_at - len(arch_header)
+    if start < 0:
+        out = np.empty(len(arch_header) + arr.size - mem_at, np.uint8)
+        out[: len(arch_header)] = np.frombuffer(arch_header, np.uint8)
+        out[len(arch_header):] = arr[mem_at:]
+        return memoryview(out)
+    arr[start:mem_at] = np.frombuffer(arch_header, np.uint8)
+    return memoryview(arr)[start:]
+
+
+def load_seq_image(llm: Any, image: bytes | bytearray | memoryview | np.ndarray, seq_id: int = 0) -> int:
+    """Restore a slot-file image into sequence ``seq_id`` of ``llm`` and set its token bookkeeping.
+
+    After this, ``llm.input_ids[:n]`` holds the image's tokens, ``llm.n_tokens == n`` and the next
+    ``generate``/``create_completion`` whose prompt starts with them evaluates only the rest (at
+    least one token: llama-cpp-python replays the last one when the prompt is fully cached, so the
+    logits it samples from are always fresh). The image's buffer is modified (its token section
+    end is scratch for the 8-byte sequence header).
+
+    Returns:
+        The number of tokens restored.
+
+    Raises:
+        RestoreError: llama.cpp rejected the state; the sequence is then empty and ``llm`` reset.
+        StateFormatError: the image is malformed.
+    """
+    lib = _api()
+    arr = _writable(image)
+    mem_at = memory_offset(arr)
+    n = (mem_at - HEADER_BYTES) // 4
+    if n > len(llm.input_ids):
+        raise StateFormatError(f"{n} tokens do not fit the context ({len(llm.input_ids)})")
+    tokens = arr[HEADER_BYTES:mem_at].view("<i4").copy()  # read before the header overwrites them
+    start = mem_at - _SEQ_HEAD.size
+    _SEQ_HEAD.pack_into(memoryview(arr), start, IO_MAGIC, seq_id)
+    size = int(arr.size - start)
+    src = (ctypes.c_uint8 * size).from_buffer(arr, start)
+    try:
+        got = int(lib.llama_state_seq_set_data(_ctx(llm), src, size, seq_id))
+    finally:
+        del src
+    if got != size:
+        llm._ctx.kv_cache_seq_rm(seq_id, -1, -1)
+        llm.reset()
+        raise RestoreError(f"llama_state_seq_set_data read {got} of {size} bytes")
+    llm.input_ids[:n] = tokens
+    llm.n_tokens = n
+    llm._requires_eval = True  # restored memory carries no logits: decode before sampling
+    return n
+
+
+def probe_context(llm: Any) -> ContextInfo:
+    """Learn the V layout, stream count and KV layout of ``llm``'s context.
+
+    A fresh context holds no cells to read a layout from: one token is evaluated, read back and
+    removed (a few milliseconds; ``llm`` is reset afterwards, as it was). A context that already
+    holds tokens is read as it is.
+    """
+    lib = _api()
+    fresh = llm.n_tokens == 0
+    if fresh:
+        probe = llm.tokenize(b"kvtier", add_bos=False, special=False)[:1] or [0]
+        llm.eval(probe)
+    try:
+        state: SeqState = parse_state(read_seq_image(llm), allow_opaque=True)
+        if fresh:
+            size = int(lib.llama_state_get_size(_ctx(llm)))
+            buf = (ctypes.c_uint8 * size)()
+            got = int(lib.llama_state_get_data(_ctx(llm), buf, size))
+            whole = bytes(buf)[:got]
+            (name_len,) = _U32.unpack_from(whole, 0)
+            arch_header = whole[: 4 + name_len]
+        else:
+            name = str(getattr(llm, "metadata", {}).get("general.architecture", "")).encode()
+            arch_header = _U32.pack(len(name)) + name
+    finally:
+        if fresh:
+            llm._ctx.kv_cache_clear()
+            llm.reset()
+    layout = state.layout if state.memory_kind != "opaque" else None
+    if layout is None or state.v_trans is None or state.n_stream is None:
+        raise StateFormatError(f"cannot learn the KV layout of this context ({state.memory_kind} memory: "
+                               f"{state.opaque_reason or 'no cells'})")
+    # Only what the model imposes counts here (what a context happens to hold may change).
+    reason = state.split_reason if state.memory_kind != "kv" or state.cell_ext else None
+    return ContextInfo(arch_header, state.n_stream, bool(state.v_trans), layout, int(llm.n_ctx()), reason)
