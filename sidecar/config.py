@@ -61,7 +61,7 @@ class Settings:
     listen: str = "0.0.0.0:8081"
     llama_url: str = "http://127.0.0.1:8080"
     slot_dir: str | None = None
-    redis_url: str | None = None
+    redis_url: str | None = field(default=None, repr=False)  # may hold a password
     redis_username: str | None = None
     redis_password: str | None = field(default=None, repr=False)
     redis_password_file: str | None = None

@@ -1,0 +1,144 @@
+"""Pure logic of the sidecar: slot choice and fairness, the cost model, settings, metrics parsing."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sidecar.cli_client import summarize_metrics
+from sidecar.config import Settings, load_settings, redact_url
+from sidecar.costmodel import CostModel
+from sidecar.metrics import Metrics
+from sidecar.proxy import timings_from
+from sidecar.slots import SlotTable, common_prefix
+from tiers.errors import ConfigError
+
+
+def arr(*xs: int) -> np.ndarray:
+    return np.array(xs, dtype=np.int32)
+
+
+def test_common_prefix() -> None:
+    assert common_prefix(arr(1, 2, 3), arr(1, 2, 4)) == 2
+    assert common_prefix(arr(1, 2), arr(1, 2, 3)) == 2
+    assert common_prefix(arr(), arr(1)) == 0
+    assert common_prefix(arr(5), arr(1)) == 0
+
+
+async def test_slot_choice_prefers_longest_prefix_then_lru() -> None:
+    clock = iter(range(1000))
+    table = SlotTable(3, clock=lambda: float(next(clock)))
+    table.set_tokens(0, arr(1, 2, 3, 4))
+    table.set_tokens(1, arr(1, 2, 9))
+    lease = await table.acquire(arr(1, 2, 3, 7))
+    assert (lease.slot, lease.cached_tokens) == (0, 3)
+    other = await table.acquire(arr(8, 8))
+    assert other.slot == 1 or other.slot == 2
+    assert other.cached_tokens == 0
+
+
+async def test_tenants_never_count_each_others_tokens() -> None:
+    table = SlotTable(1)
+    table.set_tokens(0, arr(1, 2, 3), owner="a")
+    lease = await table.acquire(arr(1, 2, 3, 4), owner="b")
+    assert lease.cached_tokens == 0 and lease.foreign
+    table.release(0)
+    table.set_tokens(0, arr(1, 2, 3), owner="b")
+    lease = await table.acquire(arr(1, 2, 3, 4), owner="b")
+    assert lease.cached_tokens == 3 and not lease.foreign
+
+
+async def test_more_requests_than_slots_queue_fairly_and_never_share() -> None:
+    table = SlotTable(2)
+    in_use: set[int] = set()
+    order: list[int] = []
+
+    async def request(i: int) -> None:
+        lease = await table.acquire(arr(i))
+        assert lease.slot not in in_use, "two requests on one slot"
+        in_use.add(lease.slot)
+        order.append(i)
+        await asyncio.sleep(0.01)
+        in_use.discard(lease.slot)
+        table.release(lease.slot)
+
+    tasks = []
+    for i in range(10):
+        tasks.append(asyncio.create_task(request(i)))
+        await asyncio.sleep(0)  # arrival order
+    await asyncio.gather(*tasks)
+    assert order == list(range(10))
+    assert table.queue_depth == 0 and not any(s.busy for s in table.slots)
+
+
+async def test_waiting_for_a_specific_slot_times_out_and_cancels_cleanly() -> None:
+    table = SlotTable(2)
+    held = await table.acquire(arr(1), want=0)
+    with pytest.raises(TimeoutError):
+        await table.acquire(arr(1), want=0, timeout=0.05)
+    assert table.queue_depth == 0
+    free = await table.acquire(arr(2), timeout=0.05)  # the other slot is not blocked by the waiter
+    assert free.slot == 1
+    table.release(held.slot)
+    with pytest.raises(ValueError):
+        await table.acquire(arr(1), want=5)
+
+
+def test_cost_model_restores_only_when_faster() -> None:
+    cpu = CostModel(prefill_tps=200, restore_gbps=1.0)
+    assert cpu.decide(4096, {"redis": 4096 * 23040}).restore  # 20 s of prefill vs ~0.2 s
+    fast = CostModel(prefill_tps=2000, restore_gbps=1.0)
+    assert not fast.decide(16, {"redis": 16 * 23040}).restore  # fixed costs dominate a short prefix
+    gpu = CostModel(prefill_tps=20000, restore_gbps=0.1)
+    assert not gpu.decide(4096, {"redis": 4096 * 131072}).restore  # fast prefill, slow network
+    learned = CostModel(prefill_tps=200, restore_gbps=1.0)
+    for _ in range(5):
+        learned.observe_prefill(4000, 200)  # 20k tokens/s measured
+    assert not learned.decide(1024, {"redis": 1024 * 131072}).restore
+    assert not cpu.decide(0, {}).restore
+    floor = CostModel(min_tokens=512)
+    assert not floor.decide(256, {"memory": 256}).restore
+
+
+def test_settings_precedence_and_redaction(tmp_path: Path) -> None:
+    cfg = tmp_path / "kvtier.yaml"
+    cfg.write_text("cache-size: 1G\nchunk_tokens: 128\nredis_url: redis://u:hunter2@r:6379/0\n")
+    s = load_settings(["--config", str(cfg), "--slot-dir", str(tmp_path), "--chunk-tokens", "64"],
+                      env={"KVTIER_CACHE_SIZE": "3G", "KVTIER_CHUNK_TOKENS": "32"})
+    assert s.cache_size == 3 << 30  # env beats file
+    assert s.chunk_tokens == 64  # flag beats env
+    assert "hunter2" not in str(s.redacted()) and "hunter2" not in repr(s)
+    assert redact_url("rediss://user:pw@host:1/0") == "rediss://user:***@host:1/0"
+    secret = tmp_path / "token"
+    secret.write_text("abc\n")
+    s2 = load_settings(["--slot-dir", str(tmp_path), "--auth-token-file", str(secret), "--auth-all"], env={})
+    assert s2.auth_token == "abc" and s2.auth_all
+    with pytest.raises(ConfigError):
+        load_settings(["--slot-dir", str(tmp_path), "--max-body", "10"], env={})
+    with pytest.raises(ConfigError):
+        load_settings([], env={})  # slot_dir is required
+    with pytest.raises(ConfigError):
+        load_settings(["--slot-dir", str(tmp_path), "--node-id", "bad id!"], env={})
+    assert isinstance(Settings(), Settings)
+
+
+def test_timings_are_found_in_json_and_sse_tails() -> None:
+    assert timings_from(b'{"content": "x", "timings": {"prompt_n": 5, "prompt_ms": 2.0}}').prompt_n == 5
+    sse = b'data: {"content": "a"}\n\ndata: {"stop": true, "timings": {"prompt_n": 7}}\n\ndata: [DONE]\n\n'
+    assert timings_from(sse).prompt_n == 7
+    assert timings_from(b"not json") is None
+    assert timings_from(b'data: {"timings": "bad"}\n\n') is None
+
+
+def test_stats_summary_from_metrics_text() -> None:
+    m = Metrics()
+    m.tokens_restored.inc(300)
+    m.tokens_recomputed.inc(100)
+    text = m.render().decode()
+    text += 'kvtier_tier_hits_total{tier="redis"} 3.0\nkvtier_tier_misses_total{tier="redis"} 1.0\n'
+    s = summarize_metrics(text)
+    assert s["tokens"]["restored"] == 300 and s["tokens"]["restored_share"] == 0.75
+    assert s["tiers"]["redis"]["hit_rate"] == 0.75
