@@ -101,12 +101,16 @@ async def _watch_llama_server(engine: KVEngine) -> None:
             up = True
         except LlamaServerError:
             up = False
-        if up and not was_up:
-            log.info("llama-server is back: relearning its slots")
-            engine.forget_slots()
-            await engine.ensure_ready()
-        elif up and not engine.ready:
-            await engine.ensure_ready()
+        try:
+            if up and not was_up:
+                log.info("llama-server is back: relearning its slots")
+                engine.forget_slots()
+            if up and engine.ready:
+                await engine.check_server()
+            if up and not engine.ready:
+                await engine.ensure_ready()
+        except (LlamaServerError, OSError) as exc:
+            log.debug("health watcher: %s", exc)
         was_up = up
 
 

@@ -42,6 +42,11 @@ log = logging.getLogger("kvtier.engine")
 FILE_PREFIX = "kvtier-"  # every file kvtier writes into the slot dir; names never come from clients
 
 
+def _signature(props: Mapping[str, Any]) -> tuple[str, ...]:
+    """What must stay the same for the learned namespace and slot table to stay valid."""
+    return tuple(str(props.get(k, "")) for k in ("model_path", "build_info", "total_slots", "model_ftype"))
+
+
 @dataclass(frozen=True, slots=True)
 class Target:
     """What kvtier learned about its llama-server at start-up (or after it restarted)."""
@@ -86,6 +91,7 @@ class KVEngine:
         self._probe_lock = asyncio.Lock()
         self._pending: set[asyncio.Task[None]] = set()
         self.last_error = ""
+        self._server_signature: tuple[str, ...] = ()
         self._warned_unsplittable = False
         self.sessions = SessionStore(store, events)
         self.session_slots: dict[str, int] = {}  # session id -> the slot that served it last
@@ -147,6 +153,7 @@ class KVEngine:
         n_ctx = int(props.get("default_generation_settings", {}).get("n_ctx") or 0)
         self.target = Target(n_slots, n_stream or 1, bool(layout_state.v_trans), model_id, ns,
                              layout.bytes_per_token, n_ctx)
+        self._server_signature = _signature(props)
         self.slots = table
         log.info("llama-server: %d slots, n_stream %d, v_trans %s, %d bytes/token, namespace %s",
                  n_slots, self.target.n_stream, self.target.v_trans, layout.bytes_per_token, ns.id)
@@ -343,6 +350,8 @@ class KVEngine:
                 self.metrics.reuse_failures.inc()
                 log.warning("slot %d: restored %d tokens but the server recomputed %d of %d",
                             plan.lease.slot, plan.restored_tokens, timings.prompt_n, plan.tokens.size)
+        assert self.slots is not None
+        self.slots.slots[plan.lease.slot].served = True
         task = asyncio.get_running_loop().create_task(self._save_then_release(plan, ok))
         self._pending.add(task)
         self.metrics.pending_saves.set(len(self._pending))
@@ -449,6 +458,40 @@ class KVEngine:
             return True
         _, pending = await asyncio.wait(set(self._pending), timeout=timeout)
         return not pending
+
+    async def check_server(self) -> None:
+        """Notice a llama-server that restarted or changed under us (the health watcher calls this).
+
+        Another model or build behind the same URL means another namespace: relearn everything. A
+        slot that is idle here but empty on the server lost its KV (a restart): forget what the
+        table thought it held, so nothing is skipped on the strength of a stale belief.
+        """
+        if self.target is None or self.slots is None:
+            return
+        props = await self.client.props()
+        if _signature(props) != self._server_signature:
+            log.warning("llama-server changed (model, build or slots): relearning it")
+            self.forget_slots()
+            return
+        lost = 0
+        for info in await self.client.slots():
+            slot_id = info.get("id")
+            if not isinstance(slot_id, int) or not 0 <= slot_id < self.slots.n_slots:
+                continue
+            slot = self.slots.slots[slot_id]
+            if slot.busy or info.get("is_processing"):
+                continue
+            held = info.get("n_prompt_tokens")
+            # A slot that never ran a task reports no count; one that did and now reports none
+            # belongs to a restarted server.
+            if held is None and not slot.served:
+                continue
+            if slot.tokens.size and int(held or 0) != slot.tokens.size:
+                self.slots.set_tokens(slot_id, np.zeros(0, np.int32))
+                slot.served = False
+                lost += 1
+        if lost:
+            log.info("%d slot(s) no longer hold what kvtier recorded (llama-server restarted?)", lost)
 
     def forget_slots(self) -> None:
         """llama-server restarted: its slots are empty, and the layout must be learned again."""

@@ -32,6 +32,7 @@ class Slot:
     busy: bool = False
     last_used: float = 0.0
     owner: str = ""  # tenant salt of what the slot holds: another tenant's tokens never count
+    served: bool = False  # has run a completion since llama-server started (it reports a count then)
 
 
 @dataclass(frozen=True, slots=True)
