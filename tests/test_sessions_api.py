@@ -113,6 +113,7 @@ async def test_session_header_restores_on_another_node(nodes: Nodes) -> None:
     history = [{"role": "user", "content": "How many parks has record 5?"}, {"role": "assistant", "content": r1.content}]
     r2 = await post(b.url + "/v1/chat/completions", chat("And record 6?", history), headers={"X-Session-Id": "hop-7"})
     assert r2.status == 200
+    await b.engine.drain(30)
     status, manifest = await call("GET", a.url + "/v1/sessions/hop-7")
     # B restored the whole saved session, partial tail included, not just full chunks.
     assert r2.restored > 0 and r2.restored % CHUNK != 0
@@ -237,7 +238,9 @@ async def test_openapi_contract_with_schemathesis(nodes: Nodes) -> None:
     )
     out, _ = await asyncio.wait_for(proc.communicate(), 600)
     text = out.decode(errors="replace")
-    assert proc.returncode == 0, text[-4000:]
+    if proc.returncode != 0:
+        failures = "\n".join(line for line in text.splitlines() if line.startswith(("___", "- ST", "    Unsupported")))
+        raise AssertionError(failures + "\n" + text[-6000:])
 
 
 async def test_docs_curl_examples_run_as_written(nodes: Nodes) -> None:

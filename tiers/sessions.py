@@ -219,11 +219,12 @@ class SessionStore:
         """Delete the manifest and the tail (shared chunks stay: other sessions may use them)."""
         validate_session_id(session_id)
         key = session_key(namespace, session_id)
-        existed = await self._get_manifest(namespace, session_id) is not None
         if self.redis is not None:
-            await self.redis.delete([key])
-        self._local.pop(key, None)
-        await self.store.delete_everywhere([tail_key(namespace, session_id)])
+            existed = await self.redis.delete_raw(key)
+        else:
+            existed = self._local.pop(key, None) is not None
+        if existed:
+            await self.store.delete_everywhere([tail_key(namespace, session_id)])
         return existed
 
     async def list(self, namespace: Namespace, prefix: str = "", *, after: str = "", limit: int = 100) -> list[Manifest]:
