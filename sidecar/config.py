@@ -21,6 +21,7 @@ import yaml
 from tiers.base import parse_size
 from tiers.codec import COMPRESSIONS
 from tiers.errors import ConfigError
+from tiers.redis_urls import parse_redis_url
 
 # name: (default, help). Sizes in bytes accept 512M / 2G; durations in seconds.
 DEFAULTS: dict[str, tuple[Any, str]] = {
@@ -233,8 +234,8 @@ def validate(s: Settings) -> None:
         raise ConfigError(f"llama_url: expected http(s)://host:port, got {s.llama_url!r}")
     if not s.slot_dir:
         raise ConfigError("slot_dir is required: the directory llama-server was given as --slot-save-path")
-    if s.redis_url is not None and not re.match(r"^(redis|rediss|unix|redis\+sentinel|redis\+cluster)://", s.redis_url):
-        raise ConfigError(f"redis_url: unsupported scheme in {redact_url(s.redis_url)!r}")
+    if s.redis_url is not None:
+        parse_redis_url(s.redis_url)  # the tier's own parser: one definition of what a Redis URL may be
     if s.cache_size <= 0:
         raise ConfigError("cache_size must be positive")
     if s.shared_dir is not None and s.shared_size <= 0:

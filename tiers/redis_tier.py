@@ -142,7 +142,6 @@ class RedisTier:
         assert base is not None and cap is not None
         if cap < base:
             raise ConfigError("redis backoff_cap must be >= backoff_base")
-        self._retry_backoff = (base, cap)
         retries = _count("retries", retries, 0)
         max_connections = _count("max_connections", max_connections, 1)
         socket_read_size = _count("socket_read_size", socket_read_size, 4096)
@@ -484,10 +483,11 @@ class RedisTier:
                     event = self._parse_event(msg.get("data"))
                     if event is not None and (include_own or event.get("node") != self.node_id):
                         yield event
-            except _UNAVAILABLE as exc:
+            except (*_UNAVAILABLE, rex.RedisError) as exc:
                 failures += 1
                 self._stats.add(errors=1)
-                log.debug("subscription to %s on %s lost: %s", channel, self.url, exc)
+                level = logging.DEBUG if isinstance(exc, _UNAVAILABLE) else logging.WARNING
+                log.log(level, "subscription to %s on %s lost: %s", channel, self.url, exc)
             finally:
                 with suppress(Exception):
                     await pubsub.aclose()
@@ -511,13 +511,12 @@ class RedisTier:
         return aioredis.Redis(host=host, port=port, **self._conn_kwargs), True
 
     def _parse_event(self, data: object) -> dict[str, Any] | None:
-        try:
-            if not isinstance(data, (bytes, str)) or len(data) > MAX_EVENT_BYTES:
-                raise ValueError("not an event")
-            event = json.loads(data)
-            if not isinstance(event, dict) or not isinstance(event.get("type"), str):
-                raise ValueError("not an event")
-        except ValueError:
+        """A message of ours as a dict; anything else (not JSON, no "type", too large) is counted."""
+        event: object = None
+        if isinstance(data, (bytes, str)) and len(data) <= MAX_EVENT_BYTES:
+            with suppress(ValueError):
+                event = json.loads(data)
+        if not isinstance(event, dict) or not isinstance(event.get("type"), str):
             self._stats.add(errors=1)
             return None
         return event

@@ -223,7 +223,9 @@ class TieredStore:
         """Store the chunks of ``chain`` that are not stored yet.
 
         ``payloads(i)`` gives chunk ``i``'s payload; it is called only for chunks some tier lacks,
-        so a prefix shared by many sessions is split, encoded and sent once.
+        so a prefix shared by many sessions is split, encoded and sent once. The background writer
+        may call it after this returns, so what it reads must not change (an immutable copy of the
+        saved state): keys name tokens, not bytes, and a changed payload would be stored as valid.
         """
         t0 = time.perf_counter()
         keys = [chunk_key(namespace, h) for h in chain]
@@ -406,14 +408,18 @@ class TieredStore:
 
     async def aclose(self, drain_timeout: float = 5.0) -> None:
         """Drain pending background writes (bounded by ``drain_timeout``), then close the tiers."""
-        if self._queue:
-            await self.flush(drain_timeout)
         if self._worker is not None:
-            self._worker.cancel()
-            try:
-                await self._worker
-            except (asyncio.CancelledError, Exception):
-                pass
+            # Flush even with an empty queue: the worker may still be writing the job it took last.
+            await self.flush(drain_timeout)
+            # Cancel until it ends, but never wait on it unbounded: Python 3.11's asyncio.wait_for
+            # (inside redis-py) can swallow a cancellation that races its inner task's completion,
+            # and a worker that survived one cancel would otherwise be awaited forever.
+            deadline = asyncio.get_running_loop().time() + 1.0
+            while not self._worker.done() and asyncio.get_running_loop().time() < deadline:
+                self._worker.cancel()
+                await asyncio.wait({self._worker}, timeout=0.1)
+            if not self._worker.done():
+                log.warning("the background writer did not stop; abandoning it")
             self._worker = None
         for tier in self.tiers:
             try:

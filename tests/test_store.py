@@ -1,0 +1,409 @@
+"""TieredStore over memory + shared files + real Valkey: lookup, fetch, promotion, dedup, the
+write-behind queue, damaged values, and Redis dying mid-fetch and mid-store."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.servers import RedisProc, redis_server
+from tiers.base import TierStats
+from tiers.codec import HEADER_SIZE, BlobCodec
+from tiers.keys import ChunkHash, Namespace, chunk_key, prefix_chain, sequence_key, whole_key
+from tiers.memory import MemoryTier
+from tiers.redis_tier import RedisTier
+from tiers.shared import SharedTier
+from tiers.store import TieredStore
+
+NS = Namespace("fp-store-tests", chunk_tokens=16)
+PAYLOAD_BYTES = 40_000
+MB = 1 << 20
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def tokens(seed: int, n_chunks: int, shared_with: list[int] | None = None, shared_chunks: int = 0) -> list[int]:
+    """``n_chunks`` chunks of tokens; the first ``shared_chunks`` copied from ``shared_with``."""
+    own = [(seed * 7919 + i) % 50_000 for i in range(n_chunks * NS.chunk_tokens)]
+    if shared_with is not None:
+        cut = shared_chunks * NS.chunk_tokens
+        own[:cut] = shared_with[:cut]
+    return own
+
+
+class Payloads:
+    """``payloads(i)`` for a token sequence, counting its calls (what the store had to encode)."""
+
+    def __init__(self, toks: list[int]):
+        self.toks = toks
+        self.calls: list[int] = []
+
+    def expected(self, i: int) -> bytes:
+        chunk = self.toks[i * NS.chunk_tokens : (i + 1) * NS.chunk_tokens]
+        seed = hashlib.blake2b(repr(chunk).encode()).digest()
+        return (seed * (PAYLOAD_BYTES // len(seed) + 1))[:PAYLOAD_BYTES]
+
+    def __call__(self, i: int) -> bytes:
+        self.calls.append(i)
+        return self.expected(i)
+
+
+def chain_of(toks: list[int]) -> list[ChunkHash]:
+    return prefix_chain(NS, toks)
+
+
+def keys_of(chain: Sequence[ChunkHash]) -> list[bytes]:
+    return [chunk_key(NS, h) for h in chain]
+
+
+def make_store(url: str, shm: Path, *, clock: FakeClock | None = None, **redis_settings: object) -> TieredStore:
+    settings: dict[str, object] = {"ttl": 600, "retries": 1, "backoff_base": 0.01, "backoff_cap": 0.05, "socket_timeout": 2.0}
+    settings.update(redis_settings)
+    if clock is not None:
+        settings["clock"] = clock
+    return TieredStore(
+        [MemoryTier(64 * MB), SharedTier(shm, 64 * MB), RedisTier(url, **settings)],  # type: ignore[arg-type]
+        BlobCodec("none"),
+    )
+
+
+def tier(store: TieredStore, name: str) -> object:
+    return next(t for t in store.tiers if t.name == name)
+
+
+@pytest.fixture
+async def store(redis_srv: RedisProc, shm_dir: Path) -> AsyncIterator[TieredStore]:
+    with redis.Redis(port=redis_srv.port) as r:
+        r.flushdb()
+    s = make_store(redis_srv.url, shm_dir / "a")
+    yield s
+    await s.aclose()
+
+
+@pytest.fixture
+async def fresh(redis_srv: RedisProc, shm_dir: Path) -> AsyncIterator[TieredStore]:
+    """A second store on the same Redis with empty local tiers: another node."""
+    s = make_store(redis_srv.url, shm_dir / "b")
+    yield s
+    await s.aclose()
+
+
+def raw(srv: RedisProc) -> redis.Redis:
+    return redis.Redis(port=srv.port)
+
+
+# -- lookup, fetch, promotion ---------------------------------------------------------------------
+
+
+async def test_store_lookup_fetch_roundtrip(store: TieredStore) -> None:
+    toks = tokens(1, 5) + [1, 2, 3]  # a partial tail gets no key
+    chain = chain_of(toks)
+    payloads = Payloads(toks)
+    result = await store.store(NS, chain, payloads)
+    assert (result.chunks_total, result.chunks_written) == (5, 5)
+    assert await store.flush(5)
+    found = await store.lookup(NS, toks)
+    assert (found.matched_tokens, found.n_chunks, found.tiers) == (80, 5, ["memory"] * 5)
+    got = await store.fetch(NS, found.chunks)
+    assert [bytes(p) for p in got.payloads] == [payloads.expected(i) for i in range(5)]
+    assert got.n_tokens == 80 and got.tiers == ["memory"] * 5
+
+
+async def test_lookup_stops_at_the_first_gap(store: TieredStore, redis_srv: RedisProc) -> None:
+    toks = tokens(2, 5)
+    chain = chain_of(toks)
+    await store.store(NS, chain, Payloads(toks))
+    assert await store.flush(5)
+    await store.delete_everywhere([keys_of(chain)[2]])
+    found = await store.lookup(NS, toks)
+    assert found.n_chunks == 2 and found.matched_tokens == 32
+    got = await store.fetch(NS, chain)
+    assert got.n_chunks == 2 and got.n_tokens == 32
+
+
+async def test_a_prefix_may_span_tiers(store: TieredStore, redis_srv: RedisProc) -> None:
+    toks = tokens(12, 5)
+    chain = chain_of(toks)
+    keys = keys_of(chain)
+    await store.store(NS, chain, Payloads(toks))
+    assert await store.flush(5)
+    r = raw(redis_srv)
+    await tier(store, "memory").delete(keys[1:])  # type: ignore[attr-defined]
+    await tier(store, "shared").delete([keys[0], *keys[2:]])  # type: ignore[attr-defined]
+    r.delete(keys[0], keys[1])
+    found = await store.lookup(NS, toks)
+    assert found.tiers == ["memory", "shared", "redis", "redis", "redis"]
+    got = await store.fetch(NS, chain, promote=False)
+    assert got.tiers == ["memory", "shared", "redis", "redis", "redis"]
+
+    r.set(keys[2], r.get(keys[3]))  # a valid blob of another chunk: lookup sees a key, fetch a foreigner
+    assert (await store.lookup(NS, toks)).n_chunks == 5
+    got = await store.fetch(NS, chain)
+    assert got.n_chunks == 2 and store.counters.corrupt == 1 and not r.exists(keys[2])
+
+
+async def test_fetch_promotes_lower_tier_hits(store: TieredStore, fresh: TieredStore) -> None:
+    toks = tokens(3, 4)
+    chain = chain_of(toks)
+    payloads = Payloads(toks)
+    await store.store(NS, chain, payloads)
+    assert await store.flush(5)
+    got = await fresh.fetch(NS, chain)
+    assert got.tiers == ["redis"] * 4
+    assert [bytes(p) for p in got.payloads] == [payloads.expected(i) for i in range(4)]
+    assert fresh.counters.promotions == 8  # into memory and into shared
+    assert (await fresh.lookup(NS, toks)).tiers == ["memory"] * 4
+    await tier(fresh, "memory").delete(keys_of(chain))  # type: ignore[attr-defined]
+    again = await fresh.fetch(NS, chain)
+    assert again.tiers == ["shared"] * 4
+    assert fresh.counters.promotions == 12  # shared hits go up into memory only
+    assert (await fresh.fetch(NS, chain)).tiers == ["memory"] * 4
+
+
+# -- dedup ----------------------------------------------------------------------------------------
+
+
+async def test_a_shared_prefix_is_encoded_and_sent_once(store: TieredStore, fresh: TieredStore,
+                                                         redis_srv: RedisProc) -> None:
+    r = raw(redis_srv)
+    r.config_resetstat()
+    a = tokens(4, 4)
+    b = tokens(5, 4, shared_with=a, shared_chunks=2)
+    chain_a, chain_b = chain_of(a), chain_of(b)
+    assert chain_a[:2] == chain_b[:2] and chain_a[2] != chain_b[2]
+    pa, pb = Payloads(a), Payloads(b)
+    await store.store(NS, chain_a, pa)
+    assert await store.flush(5)
+    result = await store.store(NS, chain_b, pb)
+    assert await store.flush(5)
+    assert sorted(pa.calls) == [0, 1, 2, 3]
+    assert sorted(pb.calls) == [2, 3], "the shared chunks must not be split or encoded again"
+    assert result.chunks_written == 2
+    assert r.dbsize() == 6
+    assert r.info("commandstats")["cmdstat_set"]["calls"] == 6
+
+    # Another node storing the same prefix encodes it for its own local tiers, but Redis already
+    # holds it: nothing is sent again.
+    pa2 = Payloads(a)
+    await fresh.store(NS, chain_a, pa2)
+    assert await fresh.flush(5)
+    assert sorted(pa2.calls) == [0, 1, 2, 3]
+    assert r.info("commandstats")["cmdstat_set"]["calls"] == 6
+
+
+# -- the background queue -------------------------------------------------------------------------
+
+
+class GatedTier(MemoryTier):
+    """A 'redis' tier whose writes wait for a gate: a slow or hung remote."""
+
+    def __init__(self) -> None:
+        super().__init__(64 * MB, name="redis")
+        self.gate = asyncio.Event()
+        self.entered = asyncio.Event()
+
+    async def put_many(self, items: Mapping[bytes, bytes]) -> int:
+        self.entered.set()
+        await self.gate.wait()
+        return await super().put_many(items)
+
+
+async def test_full_queue_drops_the_oldest_pending_write() -> None:
+    slow = GatedTier()
+    s = TieredStore([MemoryTier(64 * MB), slow], BlobCodec("none"), queue_limit=2)
+    seqs = [tokens(100 + i, 2) for i in range(5)]
+    await s.store(NS, chain_of(seqs[0]), Payloads(seqs[0]))
+    await asyncio.wait_for(slow.entered.wait(), 2)  # the writer holds job 0 and hangs
+    for toks in seqs[1:]:
+        await s.store(NS, chain_of(toks), Payloads(toks))  # never waits on the hung tier
+    assert s.counters.dropped_writes == 2 and s.queue_depth == 2
+    assert not await s.flush(0.1)
+    slow.gate.set()
+    assert await s.flush(5)
+    held = [all(await slow.contains_many(keys_of(chain_of(t)))) for t in seqs]
+    assert held == [True, False, False, True, True]  # jobs 1 and 2 were the oldest pending
+    await s.aclose()
+
+
+# -- damaged and foreign values -------------------------------------------------------------------
+
+
+async def test_damaged_or_foreign_blobs_are_deleted_and_never_returned(
+    store: TieredStore, fresh: TieredStore, redis_srv: RedisProc
+) -> None:
+    r = raw(redis_srv)
+    toks = tokens(6, 4)
+    chain = chain_of(toks)
+    keys = keys_of(chain)
+    payloads = Payloads(toks)
+    await store.store(NS, chain, payloads)
+    assert await store.flush(5)
+    flipped = r.getrange(keys[1], HEADER_SIZE + 100, HEADER_SIZE + 100)
+    r.setrange(keys[1], HEADER_SIZE + 100, bytes([flipped[0] ^ 0x01]))
+    got = await fresh.fetch(NS, chain)
+    assert got.n_chunks == 1 and [bytes(p) for p in got.payloads] == [payloads.expected(0)]
+    assert fresh.counters.corrupt == 1
+    assert r.exists(keys[1]) == 0, "a damaged value is deleted"
+    assert (await fresh.lookup(NS, toks)).n_chunks == 1
+
+    r.set(keys[3], r.get(keys[2]))  # a valid blob, but of another chunk
+    await tier(fresh, "memory").delete(keys)  # type: ignore[attr-defined]
+    await tier(fresh, "shared").delete(keys)  # type: ignore[attr-defined]
+    got = await fresh.fetch(NS, chain[2:])  # chunk 2 is intact, chunk 3 holds chunk 2's blob
+    assert got.n_chunks == 1 and fresh.counters.corrupt == 2 and r.exists(keys[3]) == 0
+
+
+async def test_a_damaged_local_copy_falls_back_to_redis(store: TieredStore, shm_dir: Path) -> None:
+    toks = tokens(7, 3)
+    chain = chain_of(toks)
+    payloads = Payloads(toks)
+    await store.store(NS, chain, payloads)
+    assert await store.flush(5)
+    await tier(store, "memory").delete(keys_of(chain))  # type: ignore[attr-defined]
+    from tiers.shared import file_name
+
+    path = shm_dir / "a" / file_name(keys_of(chain)[1])
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+    got = await store.fetch(NS, chain)
+    assert got.tiers == ["shared", "redis", "shared"]
+    assert [bytes(p) for p in got.payloads] == [payloads.expected(i) for i in range(3)]
+    assert store.counters.corrupt == 1
+    assert bytes((await tier(store, "shared").get_many([keys_of(chain)[1]]))[keys_of(chain)[1]]) != bytes(data)  # type: ignore[attr-defined]
+
+
+# -- whole states ---------------------------------------------------------------------------------
+
+
+async def test_whole_state_store_and_fetch(store: TieredStore, fresh: TieredStore, redis_srv: RedisProc) -> None:
+    toks = list(range(700))
+    state = bytes(range(256)) * 4096  # 1 MB
+    h = await store.store_whole(NS, toks, state)
+    assert await store.flush(5)
+    assert bytes(await fresh.fetch_whole(NS, toks) or b"") == state
+    assert await fresh.fetch_whole(NS, toks[:-1]) is None
+    r = raw(redis_srv)
+    key = whole_key(NS, h)
+    assert h == sequence_key(NS, toks) and r.exists(key)
+    r.setrange(key, HEADER_SIZE, b"\x00\x00\x00")
+    other = make_store(redis_srv.url, Path(str(tier(fresh, "shared").path) + "-c"))  # type: ignore[attr-defined]
+    assert await other.fetch_whole(NS, toks) is None
+    assert other.counters.corrupt == 1 and not r.exists(key)
+    await other.aclose()
+
+
+# -- Redis dying ----------------------------------------------------------------------------------
+
+
+async def wait_until(predicate: object, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():  # type: ignore[operator]
+        assert loop.time() < deadline, "condition not met"
+        await asyncio.sleep(0.01)
+
+
+def redis_stats(store: TieredStore) -> TierStats:
+    return store.stats()["redis"]
+
+
+async def test_redis_killed_during_a_fetch(shm_dir: Path) -> None:
+    clock = FakeClock()
+    with redis_server() as srv:
+        writer = make_store(srv.url, shm_dir / "w")
+        toks = tokens(8, 6)
+        chain = chain_of(toks)
+        payloads = Payloads(toks)
+        await writer.store(NS, chain, payloads)
+        assert await writer.flush(5)
+        reader = make_store(srv.url, shm_dir / "r", clock=clock)
+        raw(srv).client_pause(10_000, all=False)  # GETEX ... EX is a write: the fetch hangs in Redis
+        task = asyncio.create_task(reader.fetch(NS, chain))
+        await asyncio.sleep(0.3)
+        assert not task.done()
+        srv.stop()  # killed while the pipeline waits for its answer
+        got = await asyncio.wait_for(task, 10)
+        assert got.n_chunks == 0 and got.payloads == []
+        assert redis_stats(reader).errors >= 1
+        assert (await reader.lookup(NS, toks)).n_chunks == 0  # no exception either
+
+        srv.start()  # same port, empty (no persistence)
+        clock.now += 60  # past any breaker window
+        await writer.store(NS, chain, payloads)  # local tiers have it; Redis gets it again
+        assert await writer.flush(5)
+        got = await reader.fetch(NS, chain)
+        assert got.n_chunks == 6 and got.tiers == ["redis"] * 6
+        assert redis_stats(reader).available
+        await writer.aclose()
+        await reader.aclose()
+
+
+async def test_redis_killed_during_a_store(shm_dir: Path) -> None:
+    clock = FakeClock()
+    with redis_server() as srv:
+        s = make_store(srv.url, shm_dir / "s", clock=clock)
+        toks = tokens(9, 6)
+        chain = chain_of(toks)
+        payloads = Payloads(toks)
+        assert await tier(s, "redis").ping()  # type: ignore[attr-defined]
+        raw(srv).client_pause(10_000, all=False)  # EXISTS answers, SET hangs
+        result = await asyncio.wait_for(s.store(NS, chain, payloads), 2)  # never waits on Redis
+        assert result.chunks_written == 6
+        await asyncio.sleep(0.3)
+        assert s.queue_depth == 0 and not await s.flush(0.01)  # the writer is stuck in the SET pipeline
+        srv.stop()
+        assert await s.flush(10)
+        assert s.counters.background_errors >= 1
+        assert redis_stats(s).errors >= 1
+        assert (await s.fetch(NS, chain)).tiers == ["memory"] * 6  # local tiers still serve it
+
+        srv.start()
+        clock.now += 60
+        payloads.calls.clear()
+        await s.store(NS, chain, payloads)
+        assert await s.flush(5)
+        assert sorted(payloads.calls) == list(range(6))  # encoded again, for Redis only
+        assert raw(srv).dbsize() == 6
+        assert redis_stats(s).available
+        await s.aclose()
+
+
+async def test_an_unreachable_redis_costs_misses_not_time(shm_dir: Path) -> None:
+    from tests.servers import free_port
+
+    s = make_store(f"redis://127.0.0.1:{free_port()}/0", shm_dir / "d", retries=0, connect_timeout=0.2)
+    toks = tokens(10, 3)
+    chain = chain_of(toks)
+    for _ in range(5):
+        await s.store(NS, chain, Payloads(toks))
+        assert await s.flush(5)
+        await tier(s, "memory").delete(keys_of(chain))  # type: ignore[attr-defined]
+        await tier(s, "shared").delete(keys_of(chain))  # type: ignore[attr-defined]
+        assert (await s.fetch(NS, chain)).n_chunks == 0
+    st = redis_stats(s)
+    assert not st.available and st.errors == 3  # the breaker opened after 3 failures
+    assert tier(s, "redis").breaker_stats().skipped > 0  # type: ignore[attr-defined]
+    await s.aclose()
+
+
+async def test_aclose_drains_the_write_in_flight(redis_srv: RedisProc, shm_dir: Path) -> None:
+    with redis.Redis(port=redis_srv.port) as r:
+        r.flushdb()
+        s = make_store(redis_srv.url, shm_dir / "c")
+        toks = tokens(11, 3)
+        await s.store(NS, chain_of(toks), Payloads(toks))
+        await asyncio.sleep(0)  # the writer takes the job: the queue is empty, the write is not done
+        await asyncio.wait_for(s.aclose(), 10)
+        assert r.dbsize() == 3
