@@ -152,21 +152,28 @@ async def metrics_endpoint(request: web.Request) -> web.Response:
     return web.Response(body=metrics.render(), content_type="text/plain", charset="utf-8")
 
 
-OWN_PATHS = ("/healthz", "/readyz", "/metrics", "/openapi.json", "/v1/sessions")
+def _allowed_methods(path: str) -> str | None:
+    """The methods of kvtier's own paths (for 405 answers), None for everything else."""
+    if path in ("/healthz", "/readyz", "/metrics", "/openapi.json", "/v1/sessions"):
+        return "GET, HEAD"
+    parts = path.split("/")
+    if path.startswith("/v1/sessions/") and len(parts) == 4:
+        return "GET, HEAD, PUT, DELETE"
+    if path.startswith("/v1/sessions/") and len(parts) == 5 and parts[4] == "restore":
+        return "POST"
+    return None
 
 
 async def catch_all(request: web.Request) -> web.StreamResponse:
     """Everything that is not kvtier's own goes to llama-server unchanged."""
-    if request.path in OWN_PATHS or request.path.startswith("/v1/sessions/"):
-        # a method kvtier's own paths do not have (or a session path of the wrong shape)
-        return json_error(405 if request.path in OWN_PATHS or _session_route(request.path) else 404,
-                          f"{request.method} {request.path} is not part of the kvtier API")
+    allowed = _allowed_methods(request.path)
+    if allowed is not None:
+        response = json_error(405, f"{request.method} {request.path} is not part of the kvtier API")
+        response.headers["Allow"] = allowed
+        return response
+    if request.path.startswith("/v1/sessions/"):
+        return json_error(404, f"{request.path} is not part of the kvtier API")
     return await passthrough(request)
-
-
-def _session_route(path: str) -> bool:
-    parts = path.split("/")
-    return len(parts) == 4 or (len(parts) == 5 and parts[4] == "restore")
 
 
 def create_app(settings: Settings) -> web.Application:

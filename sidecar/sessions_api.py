@@ -58,9 +58,9 @@ async def _body(request: web.Request) -> dict[str, Any]:
 
 
 def _slot_field(data: dict[str, Any], n_slots: int) -> int | None:
-    slot = data.get("slot")
-    if slot is None:
+    if "slot" not in data:
         return None
+    slot = data["slot"]
     if not isinstance(slot, int) or isinstance(slot, bool):
         raise ApiError(400, "invalid_request", "slot must be an integer")
     if not 0 <= slot < n_slots:
@@ -69,7 +69,7 @@ def _slot_field(data: dict[str, Any], n_slots: int) -> int | None:
 
 
 def _wait_field(data: dict[str, Any]) -> float:
-    wait = data.get("wait_s", DEFAULT_WAIT_S)
+    wait = data.get("wait_s", DEFAULT_WAIT_S) if "wait_s" in data else DEFAULT_WAIT_S
     if not isinstance(wait, (int, float)) or isinstance(wait, bool) or not 0 <= wait <= MAX_WAIT_S:
         raise ApiError(400, "invalid_request", f"wait_s must be a number in 0..{MAX_WAIT_S:g}")
     return float(wait)
@@ -204,15 +204,15 @@ async def sessions_errors(request: web.Request, handler: Any) -> web.StreamRespo
     try:
         return await handler(request)
     except ApiError as exc:
-        return json_error(exc.status, exc.kind, exc.message)
+        return json_error(exc.status, exc.message, exc.kind)
     except SessionNotFound as exc:
-        return json_error(404, "not_found", str(exc))
+        return json_error(404, str(exc), "not_found")
     except SessionIncomplete as exc:
-        return json_error(410, "gone", str(exc))
+        return json_error(410, str(exc), "gone")
     except TierUnavailable as exc:
-        return json_error(503, "unavailable", str(exc))
+        return json_error(503, str(exc), "unavailable")
     except KVTierError as exc:
-        return json_error(502, "cache_error", str(exc))
+        return json_error(502, str(exc), "cache_error")
 
 
 ROUTES = [

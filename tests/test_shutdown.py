@@ -34,7 +34,7 @@ def serve(*args: str) -> subprocess.CompletedProcess[str]:
     (["--slot-dir", "/tmp", "--cache-size"], "expected one argument"),
     (["--slot-dir", "/tmp", "--cache-size", "lots"], "cannot parse size"),
     (["--slot-dir", "/tmp", "--ttl", "-5"], "ttl must not be negative"),
-    (["--slot-dir", "/tmp", "--redis-url", "http://x"], "unsupported scheme"),
+    (["--slot-dir", "/tmp", "--redis-url", "http://x"], "unknown redis url scheme"),
     (["--slot-dir", "/tmp", "--listen", "nowhere"], "listen: expected HOST:PORT"),
     (["--slot-dir", "/tmp", "--llama-url", "ftp://x"], "llama_url"),
     (["--slot-dir", "/tmp", "--auth-all"], "auth_all needs"),

@@ -107,8 +107,9 @@ def _int(data: dict[str, Any], key: str) -> int:
     return value
 
 
-def tail_key(namespace: Namespace, session_id: str) -> bytes:
-    return f"kvtier:{namespace.id}:t:{session_id}".encode()
+def tail_key(namespace: Namespace, session_id: str, tail_hash_hex: str) -> bytes:
+    """Each version of a session's tail has its own key, so a manifest never meets another's tail."""
+    return f"kvtier:{namespace.id}:t:{session_id}:{tail_hash_hex}".encode()
 
 
 def tail_hash(chain: Sequence[ChunkHash], namespace: Namespace, tail_tokens: np.ndarray) -> ChunkHash:
@@ -163,7 +164,7 @@ class SessionStore:
             t_hash = tail_hash(chain, namespace, toks[len(chain) * C:])
             blob = self.store.codec.encode(tail_payload, chunk_hash=t_hash, namespace_id=namespace.digest[:8],
                                            n_tokens=n_tail, flags=Flags.SESSION)
-            await self.store.put_raw(tail_key(namespace, session_id), blob)
+            await self.store.put_raw(tail_key(namespace, session_id, t_hash.hex()), blob)
             nbytes += len(blob)
         if self.redis is not None and not await self.store.flush(self.flush_timeout):
             raise TierUnavailable("session chunks did not reach Redis in time")
@@ -176,6 +177,8 @@ class SessionStore:
             tokens_b64=base64.b64encode(toks.tobytes()).decode(),
         )
         await self._put_manifest(namespace, manifest)
+        if old is not None and old.tail_hash and old.tail_hash != manifest.tail_hash:
+            await self.store.delete_everywhere([tail_key(namespace, session_id, old.tail_hash)])
         return manifest
 
     async def load(self, namespace: Namespace, session_id: str) -> Manifest:
@@ -201,8 +204,8 @@ class SessionStore:
         payloads = list(fetched.payloads)
         tiers = list(fetched.tiers)
         if manifest.tail_tokens:
-            tail = await self.store.get_verified(tail_key(namespace, manifest.id), bytes.fromhex(manifest.tail_hash),
-                                                 namespace)
+            tail = await self.store.get_verified(tail_key(namespace, manifest.id, manifest.tail_hash),
+                                                 bytes.fromhex(manifest.tail_hash), namespace)
             if tail is None:
                 raise SessionIncomplete(f"session {manifest.id!r}: its tail is gone")
             payloads.append(tail)
@@ -219,12 +222,13 @@ class SessionStore:
         """Delete the manifest and the tail (shared chunks stay: other sessions may use them)."""
         validate_session_id(session_id)
         key = session_key(namespace, session_id)
+        manifest = await self._get_manifest(namespace, session_id)
         if self.redis is not None:
             existed = await self.redis.delete_raw(key)
         else:
             existed = self._local.pop(key, None) is not None
-        if existed:
-            await self.store.delete_everywhere([tail_key(namespace, session_id)])
+        if existed and manifest is not None and manifest.tail_hash:
+            await self.store.delete_everywhere([tail_key(namespace, session_id, manifest.tail_hash)])
         return existed
 
     async def list(self, namespace: Namespace, prefix: str = "", *, after: str = "", limit: int = 100) -> list[Manifest]:
