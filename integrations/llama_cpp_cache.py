@@ -98,6 +98,14 @@ def _shutdown(loop: asyncio.AbstractEventLoop, thread: threading.Thread, store: 
     """Drain and close the store on its loop, then stop the loop and join its thread (idempotent)."""
     if loop.is_closed() or not thread.is_alive():
         return
+    if threading.current_thread() is thread:
+        # Garbage-collected on the loop's own thread (a Llama <-> cache cycle can be collected
+        # anywhere): nothing may wait here, so the close runs as a task and stops the loop after.
+        if store is None:
+            loop.stop()
+        else:
+            loop.create_task(store.aclose(drain_timeout)).add_done_callback(lambda _: loop.stop())
+        return
     if store is not None:
         try:
             asyncio.run_coroutine_threadsafe(store.aclose(drain_timeout), loop).result(drain_timeout + 5)
@@ -474,7 +482,9 @@ class KVTierCache(BaseLlamaCache):
         return self.store.flush(timeout)
 
     def close(self) -> None:
-        """Drain queued writes and stop the store (unless it was passed in). Idempotent."""
+        """Drain queued writes, stop the store (unless it was passed in) and unset the cache. Idempotent."""
+        if getattr(self.llm, "cache", None) is self:
+            self.llm.set_cache(None)
         if self._owns_store:
             self.store.close()
 

@@ -1,0 +1,213 @@
+"""``kvtier bench overhead``: what the sidecar adds to a request that needs no restore.
+
+    kvtier bench overhead                          # 40 pairs per kind, a minute or two
+    kvtier bench overhead --reps 200 --prompt-tokens 2048
+
+One llama-server (``-np 1``), its kvtier sidecar and an embedded Valkey. The same short request
+(``n_predict`` 1, a prompt the slot already holds, so llama-server evaluates one token) is sent
+straight to llama-server and through the sidecar, alternately, ``--reps`` times per kind:
+
+    completion   ``/completion`` with a text prompt (the sidecar tokenizes it: one extra round trip)
+    tokens       ``/completion`` with a token-id prompt (no tokenization)
+    chat         ``/v1/chat/completions`` (the sidecar renders the template and tokenizes: two)
+
+Between two requests the benchmark waits until the sidecar's background save of the slot has
+finished (``kvtier_pending_saves`` 0), as it would between turns of a conversation; the
+``back-to-back`` row sends sidecar requests without that pause, so each waits for the save the
+previous one left behind (the cost of a single-slot server under a burst). Reported: wall latency
+p50/p90 of both paths, the p50 of the paired differences, and the sidecar's own
+``kvtier_overhead_seconds`` histogram (its time before forwarding). Target: under 2 ms p50.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from typing import Any
+
+import aiohttp
+from rich.progress import Progress
+
+from .common import (
+    RESULTS_DIR,
+    Samples,
+    Timer,
+    base_llama_args,
+    client_session,
+    cluster,
+    console,
+    exact_tokens,
+    machine,
+    metric,
+    percentile,
+    print_table,
+    progress,
+    redis_or_given,
+    scrape,
+    summary,
+    versions,
+    wait_idle,
+    write_json,
+)
+
+KINDS = ("completion", "tokens", "chat")
+
+
+def request_for(kind: str, tokens: list[int], text: str) -> tuple[str, dict[str, Any]]:
+    if kind == "chat":
+        return "/v1/chat/completions", {"messages": [{"role": "user", "content": text}], "max_tokens": 1,
+                                        "temperature": 0}
+    prompt: Any = tokens if kind == "tokens" else text
+    return "/completion", {"prompt": prompt, "n_predict": 1, "temperature": 0, "cache_prompt": True}
+
+
+async def timed_post(s: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> tuple[float, dict[str, Any]]:
+    t0 = time.perf_counter()
+    async with s.post(url, json=body) as r:
+        data = await r.json(content_type=None)
+        if r.status != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status}: {str(data)[:300]}")
+    return (time.perf_counter() - t0) * 1000, data
+
+
+def histogram_quantile(before: Samples, after: Samples, name: str, q: float) -> float | None:
+    """Prometheus-style quantile (linear within a bucket) of the observations between two scrapes."""
+    buckets = []
+    for key, value in after.items():
+        if key.startswith(name + "_bucket{"):
+            le = key.split('le="', 1)[1].split('"', 1)[0]
+            buckets.append((float("inf") if le == "+Inf" else float(le), value - before.get(key, 0.0)))
+    buckets.sort()
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    prev_le, prev_count = 0.0, 0.0
+    for le, count in buckets:
+        if count >= rank:
+            if le == float("inf"):
+                return prev_le
+            return prev_le + (le - prev_le) * ((rank - prev_count) / (count - prev_count) if count > prev_count else 0)
+        prev_le, prev_count = le, count
+    return None
+
+
+async def measure(prompt_tokens: int, reps: int, threads: int, redis_url: str,
+                  prog: Progress | None = None) -> dict[str, Any]:
+    ctx = (prompt_tokens + 512) // 256 * 256
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "reps": reps, "kinds": {}}
+    task = prog.add_task("overhead: starting llama-server + sidecar", total=reps * (len(KINDS) * 2 + 1)) if prog else None
+    with cluster(1, base_llama_args(ctx, threads), sidecar=True, redis_url=redis_url) as cl:
+        node = cl.nodes[0]
+        async with client_session(keep_alive=True) as s:
+            tokens = await exact_tokens(s, node.llama_url, prompt_tokens, seed=77)
+            text = (await _detokenize(s, node.llama_url, tokens)).strip()
+            for kind in KINDS:
+                path, body = request_for(kind, tokens, text)
+                # Warm-up through the sidecar: the slot then holds the prompt, and the sidecar knows it.
+                await timed_post(s, node.sidecar_url + path, body)
+                await wait_idle(s, [node.sidecar_url])
+                direct: list[float] = []
+                side: list[float] = []
+                prompt_n: list[int] = []
+                before = await scrape(s, node.sidecar_url)
+                for i in range(reps):
+                    if prog and task is not None:
+                        prog.update(task, description=f"overhead: {kind} pair {i + 1}/{reps}")
+                    # Alternate the order so a slow moment of the machine hits both paths alike.
+                    order = ("direct", "sidecar") if i % 2 == 0 else ("sidecar", "direct")
+                    for which in order:
+                        base = node.llama_url if which == "direct" else node.sidecar_url
+                        ms, data = await timed_post(s, base + path, body)
+                        (direct if which == "direct" else side).append(ms)
+                        prompt_n.append(int(data.get("timings", {}).get("prompt_n", -1)))
+                        await wait_idle(s, [node.sidecar_url])
+                        if prog and task is not None:
+                            prog.advance(task)
+                after = await scrape(s, node.sidecar_url)
+                out["kinds"][kind] = _kind_result(direct, side, before, after, prompt_n)
+            # A burst: sidecar requests back to back, each waiting for the previous one's slot save.
+            path, body = request_for("completion", tokens, text)
+            burst: list[float] = []
+            for i in range(reps):
+                if prog and task is not None:
+                    prog.update(task, description=f"overhead: back-to-back {i + 1}/{reps}")
+                ms, _ = await timed_post(s, node.sidecar_url + path, body)
+                burst.append(ms)
+                if prog and task is not None:
+                    prog.advance(task)
+            await wait_idle(s, [node.sidecar_url])
+            out["back_to_back"] = {"sidecar_ms": summary(burst, 2)}
+            final = await scrape(s, node.sidecar_url)
+            out["save_seconds"] = {"count": metric(final, "kvtier_save_seconds_count"),
+                                   "mean_ms": round(1000 * metric(final, "kvtier_save_seconds_sum")
+                                                    / max(metric(final, "kvtier_save_seconds_count"), 1), 2)}
+    return out
+
+
+async def _detokenize(s: aiohttp.ClientSession, llama_url: str, tokens: list[int]) -> str:
+    async with s.post(llama_url + "/detokenize", json={"tokens": tokens}) as r:
+        return str((await r.json())["content"])
+
+
+def _kind_result(direct: list[float], side: list[float], before: Samples, after: Samples,
+                 prompt_n: list[int]) -> dict[str, Any]:
+    diffs = [b - a for a, b in zip(direct, side)]
+    count = metric(after, "kvtier_overhead_seconds_count") - metric(before, "kvtier_overhead_seconds_count")
+    total = metric(after, "kvtier_overhead_seconds_sum") - metric(before, "kvtier_overhead_seconds_sum")
+    first = min((k for k in after if k.startswith("kvtier_overhead_seconds_bucket{")),
+                key=lambda k: float(k.split('le="', 1)[1].split('"', 1)[0].replace("+Inf", "inf")), default=None)
+    in_first = (after.get(first, 0.0) - before.get(first, 0.0)) if first else 0.0
+    q90 = histogram_quantile(before, after, "kvtier_overhead_seconds", 0.9)
+    p50_delta = round(percentile(side, 50) - percentile(direct, 50), 2)
+    return {
+        "direct_ms": summary(direct, 2), "sidecar_ms": summary(side, 2),
+        "added_ms_p50": p50_delta, "added_ms_p90": round(percentile(side, 90) - percentile(direct, 90), 2),
+        "paired_diff_ms": summary(diffs, 2),
+        "sidecar_histogram": {"count": int(count), "mean_ms": round(1000 * total / count, 3) if count else None,
+                              # The buckets start at 5 ms: below that only the share is known.
+                              "share_under_5ms": round(in_first / count, 3) if count else None,
+                              "p90_ms_bucketed": round(1000 * q90, 2) if q90 is not None else None},
+        "prompt_n_max": max(prompt_n) if prompt_n else None,
+        "target_under_2ms": p50_delta < 2.0,
+    }
+
+
+def rows(res: dict[str, Any]) -> list[list[Any]]:
+    out = []
+    for kind, k in res["kinds"].items():
+        out.append([kind, k["direct_ms"]["p50"], k["direct_ms"]["p90"], k["sidecar_ms"]["p50"], k["sidecar_ms"]["p90"],
+                    k["added_ms_p50"], k["paired_diff_ms"]["p50"], k["sidecar_histogram"]["mean_ms"],
+                    "met" if k["target_under_2ms"] else "NOT met"])
+    b = res["back_to_back"]["sidecar_ms"]
+    out.append(["completion, back-to-back", None, None, b["p50"], b["p90"], None, None, None, ""])
+    return out
+
+
+HEADERS = ["request", "direct p50 ms", "direct p90 ms", "sidecar p50 ms", "sidecar p90 ms", "added p50 ms",
+           "paired diff p50 ms", "sidecar's own mean ms", "< 2 ms"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="kvtier bench overhead", description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=40, help="request pairs per kind")
+    p.add_argument("--prompt-tokens", type=int, default=512, help="prompt length (held in the slot)")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--redis-url", help="use this Redis instead of an embedded Valkey")
+    p.add_argument("--json", default=str(RESULTS_DIR / "overhead.json"))
+    a = p.parse_args(argv)
+    timer = Timer()
+    with redis_or_given(a.redis_url) as redis_url:
+        info = {"machine": machine(), "versions": versions(redis_url)}
+        with progress() as prog, timer.phase("overhead"):
+            res = asyncio.run(measure(a.prompt_tokens, a.reps, a.threads, redis_url, prog))
+    info["machine"]["load_avg_end"] = machine()["load_avg"]
+    print_table(f"Sidecar overhead, no restore needed ({a.prompt_tokens}-token prompt in the slot, n_predict 1)",
+                HEADERS, rows(res))
+    path = write_json(a.json, {"benchmark": "overhead", **info, **res, "seconds": timer.phases})
+    console.print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,138 @@
+"""The benchmarks' pure parts: statistics, routing, metrics parsing, and the report's rendering.
+
+No servers and no timings: the report is rendered from a fixed, synthetic result document built
+with the same summarising functions the real run uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import hop, report
+from bench.common import Reply, parse_metrics, percentile, summary
+from bench.overhead import histogram_quantile
+
+METRICS_TEXT = """\
+# HELP kvtier_tokens_restored_total Prompt tokens restored from the tiers
+# TYPE kvtier_tokens_restored_total counter
+kvtier_tokens_restored_total 768.0
+# HELP kvtier_cost_decisions_total Cost-model decisions
+# TYPE kvtier_cost_decisions_total counter
+kvtier_cost_decisions_total{decision="restore"} 3.0
+kvtier_cost_decisions_total{decision="recompute"} 1.0
+# HELP kvtier_overhead_seconds Sidecar time before forwarding
+# TYPE kvtier_overhead_seconds histogram
+kvtier_overhead_seconds_bucket{le="0.005"} 8.0
+kvtier_overhead_seconds_bucket{le="0.01"} 10.0
+kvtier_overhead_seconds_bucket{le="+Inf"} 10.0
+kvtier_overhead_seconds_count 10.0
+kvtier_overhead_seconds_sum 0.02
+"""
+
+
+def test_percentile_interpolates_and_summary_counts() -> None:
+    assert percentile([], 50) == 0.0
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([0.0, 10.0], 90) == pytest.approx(9.0)
+    s = summary([1.0, 2.0, 3.0, 4.0])
+    assert s["p50"] == 2.5 and s["n"] == 4
+
+
+def test_metrics_parse_and_histogram_quantile() -> None:
+    after = parse_metrics(METRICS_TEXT)
+    assert after['kvtier_cost_decisions_total{decision="recompute"}'] == 1.0
+    assert after["kvtier_tokens_restored_total"] == 768.0
+    q = histogram_quantile({}, after, "kvtier_overhead_seconds", 0.9)
+    assert q is not None and 0.005 < q <= 0.01  # the 9th of 10 observations is in the second bucket
+
+
+def test_routing_round_robin_sticky_and_rolling() -> None:
+    wl = hop.Workload(users=2, rounds=4, nodes=2)
+    assert [wl.node_for("rr", 0, r) for r in range(4)] == [0, 1, 0, 1]  # every turn hops
+    assert [wl.node_for("sticky", 1, r) for r in range(4)] == [1, 1, 1, 1]
+    assert [wl.node_for("rolling", 0, r) for r in range(4)] == [0, 1, 0, 1]
+    assert [wl.restart_before(r) for r in range(4)] == [False, True, True, True]
+    sparse = hop.Workload(rounds=30, nodes=4, hop_rounds=(9, 19, 29))
+    assert [sparse.node_for("rolling", 0, r) for r in (0, 8, 9, 18, 19, 29)] == [0, 0, 1, 1, 2, 3]
+    assert [r for r in range(30) if sparse.restart_before(r)] == [9, 19, 29]
+    assert report.probe_rounds(30) == [0, 9, 19, 29]
+
+
+def _reply(ttft: float, prompt: int, recomputed: int, restored: int = 0) -> Reply:
+    return Reply(content="ok", ttft_ms=ttft, total_ms=ttft + 200, prompt_tokens=prompt, recomputed_tokens=recomputed,
+                 restored_tokens=restored, predicted_n=16, prompt_ms=ttft * 0.9)
+
+
+def fixed_report() -> dict[str, Any]:
+    """A result document shaped like a real run's, with made-up (but consistent) figures."""
+    def mode(name: str, recompute: int, restored: int) -> dict[str, Any]:
+        rows = [_reply(100.0 + 10 * r, 1000 + 60 * r, recompute, restored).row(mode=name, user=0, round=r, restarted=False)
+                for r in range(30)]
+        return {"mode": name, "summary": hop.summarize(rows), "by_round": hop.by_round(rows, None),
+                "cache_ram_mib": 2048}
+
+    wl = hop.Workload(users=1, rounds=30, nodes=4, system_tokens=600, turn_tokens=40)
+    move_runs = [{"save_ms": 50.0, "save_wall_ms": 60.0, "session_tokens": 4097, "session_bytes": 94_000_000,
+                  "api_restore": {"ms": 200.0 + i, "wall_ms": 210.0, "tier": "redis", "tokens": 4097},
+                  "session_hop": _reply(260.0 + i, 4105, 8, 4097).row(restore_ms=200.0),
+                  "automatic_hop": _reply(900.0, 4105, 9, 4096).row(restore_ms=190.0),
+                  "floor": {"redis_get_ms": 70.0, "restore_ms": 100.0, "redis_get_bytes": 94_000_000,
+                            "file_bytes": 94_000_100, "n_tokens": 4097}} for i in range(3)]
+    memory = {"kv": "f16", "sessions": 10, "system_tokens": 2000, "own_tokens": 500, "session_tokens": 25010,
+              "whole_bytes": 576_000_000, "whole_bytes_per_token": 23_040.0, "redis_key_bytes": 205_000_000,
+              "redis_used_memory_delta": 206_000_000, "redis_keys": 40, "redis_chunk_bytes": 160_000_000,
+              "redis_tail_bytes": 45_000_000, "redis_manifest_bytes": 40_000, "ram_tier_bytes": [1e8, 1e8],
+              "ram_tier_bytes_total": 2e8, "reduction_vs_whole": 0.644}
+    short_rows = [{"prefix_tokens": 64, "prompt_tokens": 80, "variant": v, "ttft_ms": summary([400.0, 410.0]),
+                   "vs_alone": r, "restored_tokens_p50": 0.0, "recomputed_tokens_p50": 80.0, "decisions_restore": 0,
+                   "decisions_recompute": 0}
+                  for v, r in (("llama-server alone", 1.0), ("kvtier, 256-token chunks", 1.01),
+                               ("kvtier, 64-token chunks", 0.3))]
+    return {
+        "benchmark": "report", "preset": "full", "command": "kvtier bench report", "started": "2026-01-01T00:00:00",
+        "minutes": 20.0, "threads": 2,
+        "machine": {"cores": 2, "cpu_model": "Test CPU", "ram_gib": 8.0, "gpu": "none", "load_avg": [1.0, 1.0, 1.0],
+                    "load_avg_end": [1.0, 1.0, 1.0]},
+        "versions": {"kvtier": "0.1.0", "llama_cpp_python_pin": "0.3.36", "python": "3.11"},
+        "seconds": {"memory": 60.0},
+        "scenarios": {
+            "memory": [memory, {**memory, "kv": "q8_0", "whole_bytes": 306_000_000, "redis_key_bytes": 110_000_000}],
+            "turns": {"workload": asdict(wl), "probe_turns": [1, 10, 20, 30],
+                      "modes": {"direct-rr": mode("direct-rr", 300, 0), "kvtier": mode("kvtier", 150, 256),
+                                "direct-rolling": mode("direct-rolling", 2000, 0),
+                                "kvtier-rolling": mode("kvtier-rolling", 150, 2048)}},
+            "move": [hop.summarize_move(4096, _reply(23_000.0, 4096, 4096), move_runs)],
+            "multiuser": {"workload": asdict(hop.Workload()),
+                          "modes": {m: mode(m, 300, 0) for m in ("direct-rr", "direct-sticky", "cache-ram", "kvtier")}},
+            "short": {"lengths": [64], "reps": 2, "table": short_rows, "worst_ratio": 1.01, "target_within_5pct": True},
+        },
+    }
+
+
+def test_claims_put_measured_rows_next_to_the_write_up() -> None:
+    rows = report.claims(fixed_report())
+    names = [r["scenario"] for r in rows]
+    assert names[0] == "memory for 10 concurrent sessions" and rows[0]["gain"] == "-64.4%"
+    assert any("turn 30 (rolling update)" in n for n in names)
+    move = rows[-1]
+    assert move["without"] == "23,000 ms" and move["with"] == "261 ms"
+
+
+def test_render_markdown_from_a_fixed_report(tmp_path: Path) -> None:
+    data = fixed_report()
+    images = report.render_plots(data, tmp_path / "img")  # {} when matplotlib is not installed
+    md = report.render_markdown(data, {}, images, tmp_path)
+    for heading in ("## The write-up's claims, measured", "## 1. Memory for 10 concurrent sessions",
+                    "## 2. Generation speed at turn 30", "## 3. Moving a session", "## 4. Multi-user",
+                    "## 5. When not to restore", "## Other benchmarks", "## GPU"):
+        assert heading in md
+    assert "Not measured" in md and "None" not in md and "nan" not in md
+    assert "| 4,096 | 94.0 MB | 23,000 |" in md  # the move table, from the summarised runs
+    assert "restore within 1.3x of the floor **met**" in md  # 201 ms vs a 170 ms floor: 1.18
+    for path in images.values():
+        assert Path(path).stat().st_size > 1000
+        assert f"]({Path(path).relative_to(tmp_path).as_posix()})" in md
