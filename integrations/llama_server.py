@@ -13,6 +13,7 @@ import aiohttp
 from tiers.errors import KVTierError
 
 DEFAULT_TIMEOUT = aiohttp.ClientTimeout(total=None, connect=5, sock_read=600)
+KEEPALIVE_S = 2.0  # below llama-server's 5 s keep-alive, so a connection it closed is never reused
 
 
 class LlamaServerError(KVTierError):
@@ -88,7 +89,9 @@ class LlamaServerClient:
     @property
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(timeout=DEFAULT_TIMEOUT)
+            self._session = aiohttp.ClientSession(
+                timeout=DEFAULT_TIMEOUT, connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S)
+            )
             self._owns_session = True
         return self._session
 

@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from integrations.llama_server import LlamaServerClient, LlamaServerError
+from integrations.llama_server import KEEPALIVE_S, LlamaServerClient, LlamaServerError
 from tiers.codec import BlobCodec
 from tiers.memory import MemoryTier
 from tiers.store import TieredStore
@@ -66,6 +66,9 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     session = aiohttp.ClientSession(
         auto_decompress=False,  # relay bytes unchanged, encoding included
         timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=None),
+        # llama-server drops idle keep-alive connections after 5 s; reusing one it dropped fails
+        # the request (ServerDisconnectedError), so kvtier lets them go first.
+        connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S, limit=256),
     )
     store, redis = build_store(settings)
     metrics = app[METRICS]
