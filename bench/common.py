@@ -114,7 +114,8 @@ async def redis_flush(url: str) -> None:
 
     client = aioredis.from_url(url)
     try:
-        await client.flushall()
+        # SYNC: a lazy (background) flush would still count the old values in the next INFO memory.
+        await client.execute_command("FLUSHALL", "SYNC")
     finally:
         await client.aclose()
 
