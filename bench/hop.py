@@ -264,7 +264,9 @@ async def move_sessions(redis_url: str, sizes: Sequence[int] = (4096,), reps: in
     ``new_tokens`` new tokens with ``X-Session-Id`` (automatic session restore, tail included:
     the hop TTFT); the same completion without the header (automatic mode: full chunks only);
     and the floor of the same restore, one pipelined Redis GET of the session's keys plus
-    llama-server's own ``restore_ms`` of A's state file restored into B's llama-server.
+    llama-server's own ``restore_ms`` of A's state file restored into B's llama-server. Last,
+    ``reps`` continuations on A's llama-server itself (*warm*: nothing moves, only the new tokens
+    are computed), the part of the hop TTFT that no cache can remove.
     """
     ctx = (max(sizes) + 1024) // 256 * 256
     await redis_flush(redis_url)
@@ -316,7 +318,8 @@ async def move_sessions(redis_url: str, sizes: Sequence[int] = (4096,), reps: in
                         before = await scrape(s, b.sidecar_url)
                         reply = await complete(s, b.sidecar_url, [*held, *extra], 1, headers)
                         after = await scrape(s, b.sidecar_url)
-                        run[kind] = reply.row(restore_ms=round(1000 * delta(after, before, "kvtier_restore_seconds_sum"), 2))
+                        run[kind] = reply.row(restore_ms=round(1000 * delta(after, before, "kvtier_restore_seconds_sum"), 2),
+                                              phases_ms=restore_phases(after, before))
                         await wait_idle(s, bases)
                     tail_keys = sorted(await redis_keys(redis_url, f"kvtier:*:t:{sid}"))
                     get_ms, get_bytes = await pipelined_get_ms(redis_url, [*chunk_keys, *tail_keys])
@@ -327,12 +330,28 @@ async def move_sessions(redis_url: str, sizes: Sequence[int] = (4096,), reps: in
                     runs.append(run)
                     if prog and task is not None:
                         prog.advance(task)
-                results.append(summarize_move(n, build, runs))
+                # The same continuation where nothing moves: A's llama-server, its slot holding the
+                # session, computes only the new tokens (what any hop costs on top of that is the move).
+                warm = []
+                for rep in range(reps):
+                    fresh = await exact_tokens(s, a.llama_url, new_tokens, seed=199 + rep)
+                    warm.append((await complete(s, a.llama_url, [*held, *fresh], 1)).row())
+                results.append(summarize_move(n, build, runs, warm))
     say("move sessions: done")
     return results
 
 
-def summarize_move(n: int, build: Reply, runs: list[dict[str, Any]]) -> dict[str, Any]:
+RESTORE_PHASES = ("fetch", "assemble", "write", "llama")
+
+
+def restore_phases(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
+    """Milliseconds of each restore phase between two scrapes of a sidecar."""
+    return {p: round(1000 * delta(after, before, "kvtier_restore_phase_seconds_sum", phase=p), 2)
+            for p in RESTORE_PHASES}
+
+
+def summarize_move(n: int, build: Reply, runs: list[dict[str, Any]],
+                   warm: Sequence[dict[str, Any]] = ()) -> dict[str, Any]:
     def col(*path: str) -> list[float]:
         out = []
         for run in runs:
@@ -348,6 +367,7 @@ def summarize_move(n: int, build: Reply, runs: list[dict[str, Any]]) -> dict[str
     hop_restore = summary(col("session_hop", "restore_ms"))
     hop_ttft = summary(col("session_hop", "ttft_ms"))
     first = runs[0] if runs else {}
+    warm_ttft = summary([w["ttft_ms"] for w in warm])
     return {
         "tokens": n, "reps": len(runs),
         "recompute": {"prompt_tokens": build.prompt_tokens, "ttft_ms": build.ttft_ms, "prompt_ms": build.prompt_ms,
@@ -372,6 +392,9 @@ def summarize_move(n: int, build: Reply, runs: list[dict[str, Any]]) -> dict[str
         "api_restore_vs_floor": ratio(api["p50"], floor_p50),
         "hop_restore_vs_floor": ratio(hop_restore["p50"], floor_p50),
         "hop_speedup_vs_recompute": ratio(build.ttft_ms, hop_ttft["p50"], 1),
+        "hop_phases_ms_p50": {p: percentile([r["session_hop"]["phases_ms"][p] for r in runs], 50) for p in RESTORE_PHASES},
+        "warm": {"ttft_ms": warm_ttft, "recomputed_tokens": [w["recomputed_tokens"] for w in warm]},
+        "hop_added_ms_p50": round(hop_ttft["p50"] - warm_ttft["p50"], 1) if warm else None,
         "targets": {"hop_ttft_under_300ms": hop_ttft["p50"] < 300,
                     "restore_within_1_3x_floor": bool(floor_p50 and hop_restore["p50"] <= 1.3 * floor_p50)},
         "runs": runs,

@@ -23,6 +23,7 @@ impossible for quantized V, which llama.cpp only accepts with flash attention an
 
 from __future__ import annotations
 
+import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ _VT_HEAD = struct.Struct("<iII")
 _UINT: dict[int, np.dtype[Any]] = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
 BytesLike = bytes | bytearray | memoryview | np.ndarray
+_IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 16  # buffers per writev
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,8 +278,14 @@ def assemble_state(
             quantized V would need transposing.
         ValueError: fewer tokens than cells, or a bad ``n_stream``.
     """
-    if n_stream < 1:
-        raise ValueError(f"n_stream must be >= 1, got {n_stream}")
+    pieces = state_pieces(payloads, tokens, v_trans=v_trans, n_stream=n_stream)
+    if pieces is not None:
+        arr, view = out_buffer(out, sum(p.nbytes for p in pieces))
+        at = 0
+        for p in pieces:
+            arr[at : at + p.nbytes] = np.frombuffer(p, np.uint8)
+            at += p.nbytes
+        return view
     infos = [read_chunk_header(p) for p in payloads]
     views = [as_uint8(p) for p in payloads]
     n_cells = sum(i.n_cells for i in infos)
@@ -333,6 +341,87 @@ def assemble_state(
     arr[at:] = 0  # the other streams: cell_count = 0
     assert at + 4 * (n_stream - 1) == size
     return out
+
+
+def state_pieces(
+    payloads: Sequence[BytesLike], tokens: Sequence[int] | np.ndarray, *, v_trans: bool, n_stream: int = 1,
+) -> list[memoryview] | None:
+    """The restore file ``assemble_state`` would build, as consecutive byte slices, most of them views
+    into ``payloads``: written with ``writev`` they make the file without assembling it in memory.
+
+    Returns None when a V block has to be transposed, or the target wants transposed V (then each
+    element row interleaves all chunks): use ``assemble_state``.
+
+    Raises:
+        StateFormatError, ValueError: as ``assemble_state``.
+    """
+    if n_stream < 1:
+        raise ValueError(f"n_stream must be >= 1, got {n_stream}")
+    infos = [read_chunk_header(p) for p in payloads]
+    if v_trans or any(i.v_trans for i in infos):
+        return None
+    n_cells = sum(i.n_cells for i in infos)
+    toks = as_token_array(tokens)
+    if toks.size < n_cells:
+        raise ValueError(f"{toks.size} tokens for {n_cells} cells")
+    layers = _check_agree(infos)
+    if n_cells == 0:
+        empty = np.zeros(HEADER_BYTES + 4 + 4 * n_stream, np.uint8)
+        struct.pack_into("<IIII", empty, 0, GGSQ_MAGIC, GGSQ_VERSION, 0, n_stream)
+        return [empty.data]
+    # Everything before the first layer's K rows: header, tokens, stream count, cells, V layout.
+    meta_at = HEADER_BYTES + 4 * n_cells + 8
+    head = np.empty(meta_at + CELL_DTYPE.itemsize * n_cells + 8, np.uint8)
+    struct.pack_into("<III", head, 0, GGSQ_MAGIC, GGSQ_VERSION, n_cells)
+    head[HEADER_BYTES : HEADER_BYTES + 4 * n_cells].view("<i4")[:] = toks[:n_cells]
+    struct.pack_into("<II", head, HEADER_BYTES + 4 * n_cells, n_stream, n_cells)
+    cells = head[meta_at : meta_at + CELL_DTYPE.itemsize * n_cells].view(CELL_DTYPE)
+    cells["pos"] = np.arange(n_cells, dtype=np.int32)
+    cells["n_seq_id"] = 1
+    cells["seq_id"] = 0
+    struct.pack_into("<II", head, head.size - 8, 0, len(layers))
+    pieces = [head.data]
+    views = [memoryview(as_uint8(p)) for p in payloads]
+    at = [i.data_offset for i in infos]
+    for part in ("k", "v"):  # every layer's K block, then every layer's V block (rows)
+        for la in layers:
+            ggml_type, row = (la.k_type, la.k_row_size) if part == "k" else (la.v_type, la.v_row_size)
+            pieces.append(memoryview(_K_HEAD.pack(ggml_type, row)))
+            for j, info in enumerate(infos):
+                nb = info.n_cells * row
+                pieces.append(views[j][at[j] : at[j] + nb])
+                at[j] += nb
+    if n_stream > 1:
+        pieces.append(memoryview(bytes(4 * (n_stream - 1))))  # the other streams: cell_count = 0
+    return pieces
+
+
+def write_pieces(path: str | os.PathLike[str], pieces: Sequence[BytesLike]) -> int:
+    """Write ``pieces`` one after the other as a new file (``writev``, no joined copy); returns its size.
+
+    Raises:
+        FileExistsError: ``path`` exists (names are meant to be unique).
+        OSError: the file cannot be written (it is removed again).
+    """
+    todo = [v for v in (memoryview(p).cast("B") for p in pieces) if v.nbytes]
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    total = i = 0
+    try:
+        while i < len(todo):
+            n = os.writev(fd, todo[i : i + _IOV_MAX])
+            total += n
+            while n:  # skip what was written; a short write leaves the rest of a piece
+                if n >= todo[i].nbytes:
+                    n -= todo[i].nbytes
+                    i += 1
+                else:
+                    todo[i], n = todo[i][n:], 0
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
+    return total
 
 
 def _restore_size(infos: list[ChunkInfo], n_stream: int) -> int:

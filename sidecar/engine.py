@@ -23,14 +23,14 @@ from typing import Any
 
 import numpy as np
 
-from integrations.chunks import assemble_state, split_state
+from integrations.chunks import assemble_state, split_state, state_pieces, write_pieces
 from integrations.fingerprint import layout_fingerprint, model_identity
 from integrations.llama_server import LlamaServerClient, LlamaServerError, Timings, prefix_reused
 from integrations.statefile import SeqState, parse_state
 from tiers.errors import KVTierError
 from tiers.keys import ChunkHash, Namespace, as_token_array, chunk_key, events_channel, prefix_chain
 from tiers.sessions import Manifest, SessionError, SessionStore
-from tiers.store import TieredStore
+from tiers.store import FetchResult, TieredStore
 
 from .config import Settings
 from .costmodel import CostModel
@@ -73,6 +73,7 @@ class RequestPlan:
     restore_tier: str = ""
     restore_ms: float = 0.0
     overhead_ms: float = 0.0
+    fetched: FetchResult | None = None  # promoted into the local tiers after the answer
 
 
 class KVEngine:
@@ -267,14 +268,14 @@ class KVEngine:
         ns = plan.namespace if plan is not None else (namespace or self.target.namespace)
         t0 = time.perf_counter()
         payloads, tier = await self.sessions.fetch(ns, manifest)
+        self.metrics.restore_phase_seconds.labels("fetch").observe(time.perf_counter() - t0)
         tokens = manifest.tokens
-        data = assemble_state(payloads, tokens, v_trans=self.target.v_trans, n_stream=self.target.n_stream)
-        await self._restore_file(slot, data)
+        nbytes, _ = await self._restore_payloads(slot, payloads, tokens)
         self.slots.set_tokens(slot, tokens.copy(), owner=plan.salt if plan is not None else salt)
         ms = (time.perf_counter() - t0) * 1000
         self.metrics.restores.labels(tier or "memory", "ok").inc()
         self.metrics.restore_seconds.observe(ms / 1000)
-        self.metrics.bytes_restored.inc(len(data))
+        self.metrics.bytes_restored.inc(nbytes)
         if plan is not None:
             self.metrics.tokens_restored.inc(tokens.size - plan.lease.cached_tokens)
             plan.restored_tokens, plan.restore_tier, plan.restore_ms = int(tokens.size), tier, ms
@@ -293,7 +294,7 @@ class KVEngine:
         chain = prefix_chain(plan.namespace, plan.tokens, max_chunks)
         found = await self.store.lookup_chain(plan.namespace, chain)
         gain = found.matched_tokens - cached
-        if gain < C:
+        if gain <= 0:
             return
         chunk_bytes = C * self.target.bytes_per_token
         by_tier: dict[str, int] = {}
@@ -306,38 +307,55 @@ class KVEngine:
                      decision.reason, decision.predicted_recompute_s * 1e3, decision.predicted_restore_s * 1e3)
             return
         t0 = time.perf_counter()
-        fetched = await self.store.fetch(plan.namespace, found.chunks)
+        fetched = await self.store.fetch(plan.namespace, found.chunks, promote=False)
         if fetched.n_tokens <= cached:
             self.metrics.restores.labels("none", "miss").inc()
             return
+        self.metrics.restore_phase_seconds.labels("fetch").observe(fetched.seconds)
         for tier in set(fetched.tiers):
             share = fetched.tiers.count(tier) / max(fetched.n_chunks, 1)
             self.cost.observe_fetch(tier, int(fetched.bytes_read * share), fetched.seconds * share)
-        data = assemble_state(fetched.payloads, plan.tokens, v_trans=self.target.v_trans,
-                              n_stream=self.target.n_stream)
-        t_restore = time.perf_counter()
-        await self._restore_file(plan.lease.slot, data)
-        restore_s = time.perf_counter() - t_restore
-        self.cost.observe_restore(len(data), restore_s)
+        nbytes, restore_s = await self._restore_payloads(plan.lease.slot, fetched.payloads, plan.tokens)
+        self.cost.observe_restore(nbytes, restore_s)
         self.slots.set_tokens(plan.lease.slot, plan.tokens[: fetched.n_tokens].copy(), owner=plan.salt)
+        plan.fetched = fetched
         plan.restored_tokens = fetched.n_tokens
         plan.restore_tier = max(set(fetched.tiers), key=[t.name for t in self.store.tiers].index)
         plan.restore_ms = (time.perf_counter() - t0) * 1000
         self.metrics.restores.labels(plan.restore_tier, "ok").inc()
         self.metrics.restore_seconds.observe(plan.restore_ms / 1000)
-        self.metrics.bytes_restored.inc(len(data))
+        self.metrics.bytes_restored.inc(nbytes)
         self.metrics.tokens_restored.inc(fetched.n_tokens - cached)
         log.info("slot %d: restored %d tokens from %s in %.1f ms", plan.lease.slot, fetched.n_tokens,
                  plan.restore_tier, plan.restore_ms)
 
-    async def _restore_file(self, slot: int, data: bytes | bytearray) -> None:
+    async def _restore_payloads(self, slot: int, payloads: list[Any], tokens: np.ndarray) -> tuple[int, float]:
+        """Assemble ``payloads`` into a state file and have llama-server restore it into ``slot``.
+
+        Returns the file's size and the seconds from payloads to restored slot (the cost model's
+        restore rate: everything but the fetch).
+        """
+        assert self.target is not None
+        t0 = time.perf_counter()
+        v_trans, n_stream = self.target.v_trans, self.target.n_stream
+        # Rows of V: the file is a list of slices of the payloads, written without joining them.
+        pieces = state_pieces(payloads, tokens, v_trans=v_trans, n_stream=n_stream) or [
+            assemble_state(payloads, tokens, v_trans=v_trans, n_stream=n_stream)]
+        t1 = time.perf_counter()
         name = f"{FILE_PREFIX}restore-{slot}-{uuid.uuid4().hex[:12]}.bin"
         path = self.slot_dir / name
         try:
-            await asyncio.to_thread(path.write_bytes, data)
+            nbytes = await asyncio.to_thread(write_pieces, path, pieces)
+            t2 = time.perf_counter()
             await self.client.restore_slot(slot, name)
+            t3 = time.perf_counter()
         finally:
             path.unlink(missing_ok=True)
+        phases = self.metrics.restore_phase_seconds
+        phases.labels("assemble").observe(t1 - t0)
+        phases.labels("write").observe(t2 - t1)
+        phases.labels("llama").observe(t3 - t2)
+        return nbytes, t3 - t0
 
     # -- after the request ----------------------------------------------------------------------
 
@@ -360,6 +378,9 @@ class KVEngine:
     async def _save_then_release(self, plan: RequestPlan, ok: bool) -> None:
         assert self.slots is not None
         try:
+            if plan.fetched is not None:
+                fetched, plan.fetched = plan.fetched, None
+                await self.store.promote(fetched)
             if ok and plan.session_id is not None:
                 await self.save_session(plan.lease.slot, plan.namespace, plan.session_id, owner=plan.salt)
             elif ok:

@@ -58,6 +58,9 @@ class Metrics:
         self.cache_errors = Counter("kvtier_cache_errors", "Cache failures that fell back to recompute", ["stage"], registry=r)
         self.reuse_failures = Counter("kvtier_restore_not_reused", "Restores after which prompt_n showed a re-prefill", registry=r)
         self.restore_seconds = Histogram("kvtier_restore_seconds", "Fetch + assemble + restore", buckets=LATENCY_BUCKETS, registry=r)
+        self.restore_phase_seconds = Histogram(
+            "kvtier_restore_phase_seconds", "Restore time by phase: fetch (tiers), assemble, write (state file), "
+            "llama (llama-server's restore)", ["phase"], buckets=LATENCY_BUCKETS, registry=r)
         self.save_seconds = Histogram("kvtier_save_seconds", "Slot save + split + store", buckets=LATENCY_BUCKETS, registry=r)
         self.overhead_seconds = Histogram("kvtier_overhead_seconds", "Sidecar time before forwarding", buckets=LATENCY_BUCKETS, registry=r)
         self.bytes_restored = Counter("kvtier_bytes_restored", "State bytes restored into llama-server", registry=r)

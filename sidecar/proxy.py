@@ -157,8 +157,6 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
     plan = await engine.prepare(tokens, want_slot=want, salt=salt, session_id=session_id)
     relay = Relay()
     try:
-        forwarded = {k: v for k, v in body.items() if k != "cache_salt"}
-        forwarded.update(id_slot=plan.lease.slot, cache_prompt=True)
         headers = {
             "X-KVTier-Slot": str(plan.lease.slot),
             "X-KVTier-Prompt-Tokens": str(tokens.size),
@@ -166,13 +164,27 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
             "X-KVTier-Restore-Tier": plan.restore_tier or "none",
             "X-KVTier-Slot-Cached-Tokens": str(plan.lease.cached_tokens),
         }
-        response = await _relay(request, json.dumps(forwarded).encode(), headers, relay, capture=True)
+        response = await _relay(request, upstream_body(raw, body, plan.lease.slot), headers, relay, capture=True)
         metrics.requests.labels(kind, "ok" if relay.ok else "upstream_error").inc()
         return response
     finally:
         # Saved when llama-server finished its answer, even if the client (or a shutdown) cut the
         # last bytes short: the slot then holds a complete, valid state.
         engine.finish(plan, ok=relay.ok, timings=timings_from(bytes(relay.tail)) if relay.ok else None)
+
+
+def upstream_body(raw: bytes, body: Mapping[str, Any], slot: int) -> bytes:
+    """The request for llama-server: the client's, pinned to ``slot`` with ``cache_prompt`` on.
+
+    The two keys are appended to the client's bytes when it has neither of them (nor a
+    ``cache_salt``, which stays with kvtier): re-encoding a long prompt would cost milliseconds.
+    """
+    text = raw.strip()
+    if not ({"id_slot", "cache_prompt", "cache_salt"} & body.keys()) and text[:1] == b"{" and text[-1:] == b"}":
+        return text[:-1] + (b"," if body else b"") + b'"id_slot":%d,"cache_prompt":true}' % slot
+    forwarded = {k: v for k, v in body.items() if k != "cache_salt"}
+    forwarded.update(id_slot=slot, cache_prompt=True)
+    return json.dumps(forwarded).encode()
 
 
 def _tenant_salt(request: web.Request, body: Mapping[str, Any]) -> str:

@@ -78,7 +78,8 @@ def fixed_report() -> dict[str, Any]:
     wl = hop.Workload(users=1, rounds=30, nodes=4, system_tokens=600, turn_tokens=40)
     move_runs = [{"save_ms": 50.0, "save_wall_ms": 60.0, "session_tokens": 4097, "session_bytes": 94_000_000,
                   "api_restore": {"ms": 200.0 + i, "wall_ms": 210.0, "tier": "redis", "tokens": 4097},
-                  "session_hop": _reply(260.0 + i, 4105, 8, 4097).row(restore_ms=200.0),
+                  "session_hop": _reply(260.0 + i, 4105, 8, 4097).row(
+                      restore_ms=200.0, phases_ms={"fetch": 110.0, "assemble": 2.0, "write": 50.0, "llama": 30.0}),
                   "automatic_hop": _reply(900.0, 4105, 9, 4096).row(restore_ms=190.0),
                   "floor": {"redis_get_ms": 70.0, "restore_ms": 100.0, "redis_get_bytes": 94_000_000,
                             "file_bytes": 94_000_100, "n_tokens": 4097}} for i in range(3)]
@@ -87,11 +88,10 @@ def fixed_report() -> dict[str, Any]:
               "redis_used_memory_delta": 206_000_000, "redis_keys": 40, "redis_chunk_bytes": 160_000_000,
               "redis_tail_bytes": 45_000_000, "redis_manifest_bytes": 40_000, "ram_tier_bytes": [1e8, 1e8],
               "ram_tier_bytes_total": 2e8, "reduction_vs_whole": 0.644}
-    short_rows = [{"prefix_tokens": 64, "prompt_tokens": 80, "variant": v, "ttft_ms": summary([400.0, 410.0]),
-                   "vs_alone": r, "restored_tokens_p50": 0.0, "recomputed_tokens_p50": 80.0, "decisions_restore": 0,
-                   "decisions_recompute": 0}
-                  for v, r in (("llama-server alone", 1.0), ("kvtier, 256-token chunks", 1.01),
-                               ("kvtier, 64-token chunks", 0.3))]
+    short_rows = [{"prefix_tokens": 64, "chunk_tokens": c, "prompt_tokens": 80, "alone_ttft_ms": summary([400.0, 410.0]),
+                   "kvtier_ttft_ms": summary([k, k + 10]), "vs_alone": round(k / 405, 2), "paired_vs_alone": 1.0,
+                   "restored_tokens_p50": 0.0, "recomputed_tokens_p50": 80.0, "decisions_restore": 0,
+                   "decisions_recompute": 0} for c, k in ((256, 404.0), (64, 120.0))]
     return {
         "benchmark": "report", "preset": "full", "command": "kvtier bench report", "started": "2026-01-01T00:00:00",
         "minutes": 20.0, "threads": 2,
@@ -105,10 +105,12 @@ def fixed_report() -> dict[str, Any]:
                       "modes": {"direct-rr": mode("direct-rr", 300, 0), "kvtier": mode("kvtier", 150, 256),
                                 "direct-rolling": mode("direct-rolling", 2000, 0),
                                 "kvtier-rolling": mode("kvtier-rolling", 150, 2048)}},
-            "move": [hop.summarize_move(4096, _reply(23_000.0, 4096, 4096), move_runs)],
+            "move": [hop.summarize_move(4096, _reply(23_000.0, 4096, 4096), move_runs,
+                                        [_reply(150.0, 4105, 8).row() for _ in range(3)])],
             "multiuser": {"workload": asdict(hop.Workload()),
                           "modes": {m: mode(m, 300, 0) for m in ("direct-rr", "direct-sticky", "cache-ram", "kvtier")}},
-            "short": {"lengths": [64], "reps": 2, "table": short_rows, "worst_ratio": 1.01, "target_within_5pct": True},
+            "short": {"lengths": [64], "reps": 2, "chunks": [256, 64], "table": short_rows, "worst_ratio": 1.02,
+                      "target_within_5pct": True},
         },
     }
 
@@ -133,6 +135,8 @@ def test_render_markdown_from_a_fixed_report(tmp_path: Path) -> None:
     assert "Not measured" in md and "None" not in md and "nan" not in md
     assert "| 4,096 | 94.0 MB | 23,000 |" in md  # the move table, from the summarised runs
     assert "restore within 1.3x of the floor **met**" in md  # 201 ms vs a 170 ms floor: 1.18
+    assert "| 900 | 150 | 111 | 88.1x |" in md  # automatic, warm TTFT, hop - warm (261 - 150), speedup
+    assert "| 4,096 | 110 | 2 | 50.0 | 30.0 |" in md  # restore phases
     for path in images.values():
         assert Path(path).stat().st_size > 1000
         assert f"]({Path(path).relative_to(tmp_path).as_posix()})" in md

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ from sidecar.cli_client import summarize_metrics
 from sidecar.config import Settings, load_settings, redact_url
 from sidecar.costmodel import CostModel
 from sidecar.metrics import Metrics
-from sidecar.proxy import timings_from
+from sidecar.proxy import timings_from, upstream_body
 from sidecar.slots import SlotTable, common_prefix
 from tiers.errors import ConfigError
 
@@ -131,6 +132,21 @@ def test_timings_are_found_in_json_and_sse_tails() -> None:
     assert timings_from(sse).prompt_n == 7
     assert timings_from(b"not json") is None
     assert timings_from(b'data: {"timings": "bad"}\n\n') is None
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"prompt": [1, 2, 3], "n_predict": 4}',
+    b'  {"prompt":"caf\\u00e9 \xc3\xa9","stream":true}\n',  # escapes, UTF-8, whitespace around
+    b'{"prompt": "x", "id_slot": 3, "cache_prompt": false}',  # the client's keys are overridden
+    b'{"prompt": "x", "cache_salt": "tenant-a"}',  # the salt stays with kvtier
+    b'\xef\xbb\xbf{"prompt": "x"}',  # a BOM: re-encoded
+])
+def test_upstream_body_pins_the_slot_and_keeps_the_rest(raw: bytes) -> None:
+    body = json.loads(raw)
+    out = upstream_body(raw, body, 2)
+    want = {k: v for k, v in body.items() if k != "cache_salt"} | {"id_slot": 2, "cache_prompt": True}
+    pairs = json.loads(out, object_pairs_hook=list)
+    assert dict(pairs) == want and len(pairs) == len(want)  # valid JSON, no key twice
 
 
 def test_stats_summary_from_metrics_text() -> None:

@@ -9,6 +9,7 @@ against a literal reading of the format rather than against themselves.
 from __future__ import annotations
 
 import json
+import os
 import struct
 import tracemalloc
 from dataclasses import dataclass
@@ -18,7 +19,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from integrations.chunks import assemble_state, read_chunk_header, restore_size, retarget_state, split_state
+import integrations.chunks as chunks_mod
+from integrations.chunks import (
+    assemble_state,
+    read_chunk_header,
+    restore_size,
+    retarget_state,
+    split_state,
+    state_pieces,
+    write_pieces,
+)
 from integrations.fingerprint import inspect, inspect_main, layout_fingerprint, model_identity
 from integrations.statefile import GGSQ_MAGIC, parse_state, state_size, write_state
 from tiers.errors import KVTierError, StateFormatError
@@ -294,6 +304,40 @@ def test_split_with_tail_and_stream_targets(n_stream: int) -> None:
     # first_chunk skips chunks already stored.
     later = split_state(raw, 16, first_chunk=1)
     assert later.first_chunk == 1 and [bytes(c) for c in later.chunks] == [bytes(res.chunks[1])]
+
+
+@pytest.mark.parametrize("n_stream", [1, 3])
+def test_state_pieces_written_are_the_assembled_file(tmp_path: Path, n_stream: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    lg = logical(45, embd=[32, 64, 32])
+    res = split_state(ref_file(lg, packed=True), 16, tail=True)
+    payloads = [*res.chunks, res.tail]
+    pieces = state_pieces(payloads, lg.tokens, v_trans=False, n_stream=n_stream)
+    assert pieces is not None and len(pieces) > 6  # header, then per layer and chunk, no joined copy
+    want = ref_file(lg.prefix(45), n_stream=n_stream)
+    assert write_pieces(tmp_path / "a.bin", pieces) == len(want) and (tmp_path / "a.bin").read_bytes() == want
+    with pytest.raises(FileExistsError):
+        write_pieces(tmp_path / "a.bin", pieces)
+    # Short writes (a full disk, a signal) resume mid-piece; more pieces than one writev takes.
+    real = os.writev
+    monkeypatch.setattr(os, "writev", lambda fd, bufs: real(fd, [bytes(b"".join(bufs)[:7])]))
+    monkeypatch.setattr(chunks_mod, "_IOV_MAX", 4)
+    assert write_pieces(tmp_path / "b.bin", [*pieces, b"", memoryview(b"xyz")]) == len(want) + 3
+    assert (tmp_path / "b.bin").read_bytes() == want + b"xyz"
+    # Transposed V (either side) cannot be a list of slices.
+    assert state_pieces(payloads, lg.tokens, v_trans=True) is None
+    trans = split_state(ref_file(lg, v_trans=True), 16)
+    assert state_pieces(trans.chunks, lg.tokens, v_trans=False) is None
+
+
+def test_write_pieces_removes_a_file_it_could_not_finish(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(fd: int, bufs: list[memoryview]) -> int:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "writev", full)
+    with pytest.raises(OSError, match="No space"):
+        write_pieces(tmp_path / "c.bin", [b"abc"])
+    assert not (tmp_path / "c.bin").exists()
 
 
 def test_chunk_smaller_than_one_chunk() -> None:

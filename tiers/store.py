@@ -7,7 +7,7 @@ import collections
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .base import Tier, TierStats
 from .codec import BlobCodec, Flags
@@ -44,6 +44,8 @@ class FetchResult:
     n_tokens: int
     bytes_read: int
     seconds: float
+    keys: list[bytes] = field(default_factory=list)
+    blobs: list[bytes | memoryview] = field(default_factory=list)  # as stored, for a later promotion
 
     @property
     def n_chunks(self) -> int:
@@ -148,7 +150,9 @@ class TieredStore:
     async def fetch(self, namespace: Namespace, chain: Sequence[ChunkHash], *, promote: bool = True) -> FetchResult:
         """Load and verify the chunks of ``chain``, stopping at the first one no tier has intact.
 
-        Hits from lower tiers are written to the synchronous tiers above them (promotion).
+        Hits from lower tiers are written to the synchronous tiers above them (promotion), unless
+        ``promote`` is False: then the caller may do it later with ``promote(result)``, once the
+        payloads have served their purpose (a restore should not wait for a copy into RAM).
         """
         t0 = time.perf_counter()
         keys = [chunk_key(namespace, h) for h in chain]
@@ -188,21 +192,23 @@ class TieredStore:
                 except Exception:
                     log.warning("could not delete damaged chunks from %s", tier.name, exc_info=True)
         n = next((i for i, p in enumerate(payloads) if p is None), len(payloads))
-        if promote:
-            await self._promote(keys[:n], sources[:n], raw_blobs)
-        result_payloads = [p for p in payloads[:n] if p is not None]
-        return FetchResult(
-            result_payloads, [s for s in sources[:n] if s], n * namespace.chunk_tokens, bytes_read,
-            time.perf_counter() - t0,
+        result = FetchResult(
+            [p for p in payloads[:n] if p is not None], [s for s in sources[:n] if s], n * namespace.chunk_tokens,
+            bytes_read, time.perf_counter() - t0, keys[:n], [raw_blobs[i] for i in range(n)],
         )
+        if promote:
+            await self.promote(result)
+            result = replace(result, seconds=time.perf_counter() - t0)
+        return result
 
-    async def _promote(self, keys: list[bytes], sources: list[str | None], blobs: dict[int, bytes | memoryview]) -> None:
+    async def promote(self, fetched: FetchResult) -> None:
+        """Copy the chunks ``fetched`` found in lower tiers into the synchronous tiers above them."""
         order = {t.name: i for i, t in enumerate(self.tiers)}
         for tier in self._sync:
             items = {
-                keys[i]: bytes(blobs[i])
-                for i, src in enumerate(sources)
-                if src is not None and order[src] > order[tier.name]
+                key: bytes(blob)
+                for key, src, blob in zip(fetched.keys, fetched.tiers, fetched.blobs)
+                if order[src] > order[tier.name]
             }
             if items:
                 try:
