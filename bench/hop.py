@@ -334,7 +334,8 @@ async def move_sessions(redis_url: str, sizes: Sequence[int] = (4096,), reps: in
                 # session, computes only the new tokens (what any hop costs on top of that is the move).
                 warm = []
                 for rep in range(reps):
-                    fresh = await exact_tokens(s, a.llama_url, new_tokens, seed=199 + rep)
+                    # Rotated, so that no two continuations start alike: the slot reuses only ``held``.
+                    fresh = [*extra[rep % len(extra):], *extra[: rep % len(extra)]]
                     warm.append((await complete(s, a.llama_url, [*held, *fresh], 1)).row())
                 results.append(summarize_move(n, build, runs, warm))
     say("move sessions: done")

@@ -15,8 +15,11 @@ Between two requests the benchmark waits until the sidecar's background save of 
 finished (``kvtier_pending_saves`` 0), as it would between turns of a conversation; the
 ``back-to-back`` row sends sidecar requests without that pause, so each waits for the save the
 previous one left behind (the cost of a single-slot server under a burst). Reported: wall latency
-p50/p90 of both paths, the p50 of the paired differences, and the sidecar's own
-``kvtier_overhead_seconds`` histogram (its time before forwarding). Target: under 2 ms p50.
+p50/p90 of both paths, the p50 of the paired differences, the difference of the p50s of what each
+request spent outside llama-server's own compute (wall minus ``timings.prompt_ms + predicted_ms``:
+that compute jitters by several ms per request on a small CPU and hides a millisecond-sized
+difference), and the sidecar's own ``kvtier_overhead_seconds`` histogram (its time before
+forwarding). Target: under 2 ms p50, judged on the figure outside llama-server's compute.
 """
 
 from __future__ import annotations
@@ -109,6 +112,7 @@ async def measure(prompt_tokens: int, reps: int, threads: int, redis_url: str,
                 await wait_idle(s, [node.sidecar_url])
                 direct: list[float] = []
                 side: list[float] = []
+                compute: dict[str, list[float]] = {"direct": [], "sidecar": []}
                 prompt_n: list[int] = []
                 before = await scrape(s, node.sidecar_url)
                 for i in range(reps):
@@ -120,12 +124,14 @@ async def measure(prompt_tokens: int, reps: int, threads: int, redis_url: str,
                         base = node.llama_url if which == "direct" else node.sidecar_url
                         ms, data = await timed_post(s, base + path, body)
                         (direct if which == "direct" else side).append(ms)
-                        prompt_n.append(int(data.get("timings", {}).get("prompt_n", -1)))
+                        timings = data.get("timings", {})
+                        prompt_n.append(int(timings.get("prompt_n", -1)))
+                        compute[which].append(float(timings.get("prompt_ms", 0)) + float(timings.get("predicted_ms", 0)))
                         await wait_idle(s, [node.sidecar_url])
                         if prog and task is not None:
                             prog.advance(task)
                 after = await scrape(s, node.sidecar_url)
-                out["kinds"][kind] = _kind_result(direct, side, before, after, prompt_n)
+                out["kinds"][kind] = _kind_result(direct, side, before, after, prompt_n, compute)
             # A burst: sidecar requests back to back, each waiting for the previous one's slot save.
             path, body = request_for("completion", tokens, text)
             burst: list[float] = []
@@ -151,8 +157,14 @@ async def _detokenize(s: aiohttp.ClientSession, llama_url: str, tokens: list[int
 
 
 def _kind_result(direct: list[float], side: list[float], before: Samples, after: Samples,
-                 prompt_n: list[int]) -> dict[str, Any]:
+                 prompt_n: list[int], compute: dict[str, list[float]]) -> dict[str, Any]:
     diffs = [b - a for a, b in zip(direct, side)]
+    # llama-server's own prompt + generation time varies by several ms from request to request,
+    # the same on both paths; subtracted per request, what is left is everything else: HTTP, the
+    # sidecar, tokenization round trips.
+    outside = {path: [w - c for w, c in zip(walls, compute[path])]
+               for path, walls in (("direct", direct), ("sidecar", side))}
+    outside_added = round(percentile(outside["sidecar"], 50) - percentile(outside["direct"], 50), 2)
     count = metric(after, "kvtier_overhead_seconds_count") - metric(before, "kvtier_overhead_seconds_count")
     total = metric(after, "kvtier_overhead_seconds_sum") - metric(before, "kvtier_overhead_seconds_sum")
     first = min((k for k in after if k.startswith("kvtier_overhead_seconds_bucket{")),
@@ -169,7 +181,9 @@ def _kind_result(direct: list[float], side: list[float], before: Samples, after:
                               "share_under_5ms": round(in_first / count, 3) if count else None,
                               "p90_ms_bucketed": round(1000 * q90, 2) if q90 is not None else None},
         "prompt_n_max": max(prompt_n) if prompt_n else None,
-        "target_under_2ms": p50_delta < 2.0,
+        "outside_compute_ms": {path: summary(v, 2) for path, v in outside.items()},
+        "added_outside_compute_ms_p50": outside_added,
+        "target_under_2ms": outside_added < 2.0,
     }
 
 
@@ -177,15 +191,16 @@ def rows(res: dict[str, Any]) -> list[list[Any]]:
     out = []
     for kind, k in res["kinds"].items():
         out.append([kind, k["direct_ms"]["p50"], k["direct_ms"]["p90"], k["sidecar_ms"]["p50"], k["sidecar_ms"]["p90"],
-                    k["added_ms_p50"], k["paired_diff_ms"]["p50"], k["sidecar_histogram"]["mean_ms"],
-                    "met" if k["target_under_2ms"] else "NOT met"])
+                    k["added_ms_p50"], k["paired_diff_ms"]["p50"], k["added_outside_compute_ms_p50"],
+                    k["sidecar_histogram"]["mean_ms"], "met" if k["target_under_2ms"] else "NOT met"])
     b = res["back_to_back"]["sidecar_ms"]
-    out.append(["completion, back-to-back", None, None, b["p50"], b["p90"], None, None, None, ""])
+    out.append(["completion, back-to-back", None, None, b["p50"], b["p90"], None, None, None, None, ""])
     return out
 
 
 HEADERS = ["request", "direct p50 ms", "direct p90 ms", "sidecar p50 ms", "sidecar p90 ms", "added p50 ms",
-           "paired diff p50 ms", "sidecar's own mean ms", "< 2 ms"]
+           "paired diff p50 ms", "added outside llama-server's compute p50 ms", "sidecar's own mean ms",
+           "< 2 ms (outside compute)"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,6 +60,9 @@ class Target:
     n_ctx_slot: int
 
 
+SAVE_DELAY_S = 0.01  # between delivering an answer and saving its slot
+
+
 @dataclass(slots=True)
 class RequestPlan:
     """One request's cache work: its tokens, its slot, and what was restored."""
@@ -377,6 +380,9 @@ class KVEngine:
 
     async def _save_then_release(self, plan: RequestPlan, ok: bool) -> None:
         assert self.slots is not None
+        # Let the answer's last bytes reach the client first: on a small host the save (llama-server
+        # writing the slot file, kvtier splitting it) would compete for the CPU with its delivery.
+        await asyncio.sleep(SAVE_DELAY_S)
         try:
             if plan.fetched is not None:
                 fetched, plan.fetched = plan.fetched, None
@@ -485,7 +491,10 @@ class KVEngine:
 
         Another model or build behind the same URL means another namespace: relearn everything. A
         slot that is idle here but empty on the server lost its KV (a restart): forget what the
-        table thought it held, so nothing is skipped on the strength of a stale belief.
+        table thought it held, so nothing is skipped on the strength of a stale belief. A slot that
+        holds another count of tokens was used without kvtier (a client talking to llama-server
+        directly): read what it holds now, so that kvtier neither skips a restore it needs nor
+        restores a shorter prefix over a longer one.
         """
         if self.target is None or self.slots is None:
             return
@@ -507,12 +516,31 @@ class KVEngine:
             # belongs to a restarted server.
             if held is None and not slot.served:
                 continue
-            if slot.tokens.size and int(held or 0) != slot.tokens.size:
+            if not held and slot.tokens.size:
                 self.slots.set_tokens(slot_id, np.zeros(0, np.int32))
                 slot.served = False
                 lost += 1
+            elif held and int(held) != slot.tokens.size and await self._resync(slot_id):
+                log.info("slot %d was used without kvtier: it now holds %d tokens", slot_id, int(held))
         if lost:
             log.info("%d slot(s) no longer hold what kvtier recorded (llama-server restarted?)", lost)
+
+    async def _resync(self, slot_id: int) -> bool:
+        """Learn what an idle slot holds from a save of it (its tokens are exact); False when busy."""
+        assert self.slots is not None
+        if not self.slots.try_acquire(slot_id):
+            return False
+        try:
+            state = await self._save_and_read(slot_id, "resync")
+            # Not any tenant's: a salted tenant sees it as foreign (erased before use).
+            self.slots.set_tokens(slot_id, state.tokens.tokens.copy(), owner="")
+            return True
+        except (KVTierError, LlamaServerError, OSError) as exc:
+            log.info("slot %d: could not read what it holds (%s); forgetting it", slot_id, exc)
+            self.slots.set_tokens(slot_id, np.zeros(0, np.int32))
+            return False
+        finally:
+            self.slots.release(slot_id)
 
     def forget_slots(self) -> None:
         """llama-server restarted: its slots are empty, and the layout must be learned again."""

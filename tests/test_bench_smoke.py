@@ -126,8 +126,11 @@ def test_claims_put_measured_rows_next_to_the_write_up() -> None:
 
 def test_render_markdown_from_a_fixed_report(tmp_path: Path) -> None:
     data = fixed_report()
+    data["reruns"] = [{"scenarios": ["move"], "started": "2026-01-02T00:00:00", "minutes": 3.0,
+                       "machine": {"load_avg": [0.5, 0.4, 0.3]}}]
     images = report.render_plots(data, tmp_path / "img")  # {} when matplotlib is not installed
     md = report.render_markdown(data, {}, images, tmp_path)
+    assert "minutes; move re-run on 2026-01-02T00:00:00 (3.0 minutes, load average 0.5 / 0.4 / 0.3))" in md
     for heading in ("## The write-up's claims, measured", "## 1. Memory for 10 concurrent sessions",
                     "## 2. Generation speed at turn 30", "## 3. Moving a session", "## 4. Multi-user",
                     "## 5. When not to restore", "## Other benchmarks", "## GPU"):

@@ -274,3 +274,24 @@ async def test_llama_server_restart_rebuilds_slot_table(cluster: Cluster) -> Non
     assert not any(s.tokens.size for s in c.a.engine.slots.slots)
     ans = await post(c.a.url + "/completion", body)
     assert ans.status == 200 and ans.content == expected and ans.restored > 0
+
+
+async def test_a_slot_used_behind_kvtiers_back_is_read_again(cluster: Cluster) -> None:
+    """A client talks to llama-server directly: kvtier learns what the slot holds now, so it does not
+    restore a shorter prefix over the longer one (which would recompute the difference)."""
+    c = cluster
+    first = {"prompt": DOC + "\nQuestion: how many marbles does box 9 hold?\nAnswer:", "n_predict": 4,
+             "temperature": 0, "id_slot": 1}
+    ans = await post(c.b.url + "/completion", first)
+    assert ans.status == 200
+    await settle(c.b)
+    stored = c.b.engine.slots.slots[1].tokens.size
+    longer = first["prompt"] + ans.content + " Question: and how many does box 12 hold? Answer:"
+    direct = await post(c.llama_b.url + "/completion", {**first, "prompt": longer, "cache_prompt": True})
+    assert direct.status == 200 and direct.prompt_n < 40  # llama-server extended its own slot
+    await c.b.engine.check_server()  # what the health watcher runs every few seconds
+    assert c.b.engine.slots.slots[1].tokens.size > stored
+    third = longer + direct.content + " Question: and box 13? Answer:"
+    ans = await post(c.b.url + "/completion", {**first, "prompt": third})
+    assert ans.status == 200 and ans.restored == 0 and ans.prompt_n < 40
+    assert ans.content == (await post(c.direct.url + "/completion", {**first, "prompt": third, "id_slot": 0})).content
