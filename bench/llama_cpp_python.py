@@ -30,8 +30,8 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from statistics import median
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 N_PREDICT = 8
@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import llama_cpp
 
-    from tests.servers import redis_server, smollm2_path
+    from sidecar.procs import smollm2_path, valkey
 
     model = a.model or smollm2_path()
     n_ctx = max([*sizes, a.system_tokens + a.user_tokens]) + 256
@@ -334,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
     h = Harness(llm)
     scratch = Path(tempfile.mkdtemp(prefix="kvtier-bench-"))
     with contextlib.ExitStack() as stack:
-        url = a.redis_url or stack.enter_context(redis_server()).url
+        url = a.redis_url or stack.enter_context(valkey())
         stack.callback(shutil.rmtree, scratch, True)
         report: dict[str, Any] = {
             "machine": {"cpus": os.cpu_count(), "threads": a.threads, "python": platform.python_version(),

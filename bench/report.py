@@ -48,7 +48,6 @@ from typing import Any
 from rich.progress import Progress
 
 from . import hop
-from .hop import RESTORE_PHASES
 from .common import (
     RESULTS_DIR,
     Timer,
@@ -74,6 +73,7 @@ from .common import (
     versions,
     wait_idle,
 )
+from .hop import RESTORE_PHASES
 
 SCENARIOS = ("memory", "turns", "move", "multiuser", "short")
 CLAIMS = {
@@ -773,7 +773,8 @@ def _md_others(other: dict[str, Any]) -> str:
         out.append("\n- `kvtier bench hop --json bench/results/hop.json`: not run for this page.\n")
     ov = other.get("overhead")
     if ov:
-        from .overhead import HEADERS, rows as ov_rows
+        from .overhead import HEADERS
+        from .overhead import rows as ov_rows
 
         out.append(f"\n### `kvtier bench overhead`\n\n{ov['prompt_tokens']}-token prompt already in the slot, "
                    f"n_predict 1, {ov['reps']} alternating pairs per kind (load average "

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from integrations.chunks import assemble_state, restore_size, split_state
+from integrations.chunks import assemble_state, restore_size, split_state, state_pieces, write_pieces
 from integrations.statefile import (
     KVCache,
     KVLayer,
@@ -121,46 +121,61 @@ def _prompt_tokens(url: str, n: int) -> list[int]:
 def real_figures(lengths: list[int], repeat: int) -> list[dict[str, Any]]:
     import tempfile
 
-    from tests.servers import llama_server
+    from sidecar.procs import Node, smollm2_path
+
+    from .common import DEFAULT_WORKDIR
 
     rows = []
     ctx = max(lengths) + 64
-    with tempfile.TemporaryDirectory(prefix="kvtier-bench-") as d, \
-            llama_server(Path(d), "-c", str(ctx), "-fa", "on", "-b", "2048", "-ub", "512") as srv:
-        # Warm-up: the first completion of a fresh server also pages the weights in.
-        _post(srv.url + "/completion", {"prompt": _prompt_tokens(srv.url, 64), "n_predict": 1, "id_slot": 0})
-        for n in lengths:
-            prompt = _prompt_tokens(srv.url, n)
-            body = {"prompt": prompt, "n_predict": 1, "temperature": 0, "cache_prompt": True, "id_slot": 0}
-            _post(srv.url + "/slots/0?action=erase", {})
-            run, recompute_wall = _post(srv.url + "/completion", body)
-            saved, save_wall = _post(srv.url + "/slots/0?action=save", {"filename": "bench.bin"})
-            data = (srv.slot_dir / "bench.bin").read_bytes()
-            codec = codec_figures(data, repeat)
-            state = parse_state(data)
-            split = split_state(state, CHUNK_TOKENS, tail=True)
-            t = time.perf_counter()
-            restored_file = assemble_state([*split.chunks, *([split.tail] if split.tail else [])], split.tokens,
-                                           v_trans=bool(state.v_trans))
-            (srv.slot_dir / "restore.bin").write_bytes(restored_file)
-            write_ms = 1e3 * (time.perf_counter() - t)
-            restores = []
-            for _ in range(repeat):
-                _post(srv.url + "/slots/0?action=erase", {})
-                res, wall = _post(srv.url + "/slots/0?action=restore", {"filename": "restore.bin"})
-                restores.append((res["timings"]["restore_ms"], wall))
-            after, _ = _post(srv.url + "/completion", body)
-            assert after["timings"]["prompt_n"] == 1, after["timings"]  # only the last token is recomputed
-            rows.append({
-                "n_tokens": n, "file_bytes": len(data),
-                "save_ms": saved["timings"]["save_ms"], "save_wall_ms": round(save_wall, 1),
-                "split_gbps": codec["split"]["median_gbps"], "assemble_gbps": codec["assemble"]["median_gbps"],
-                "assemble_and_write_ms": round(write_ms, 1),
-                "restore_ms": round(statistics.median(r[0] for r in restores), 1),
-                "restore_wall_ms": round(statistics.median(r[1] for r in restores), 1),
-                "recompute_ms": round(run["timings"]["prompt_ms"], 1), "recompute_wall_ms": round(recompute_wall, 1),
-                "prefill_tokens_per_s": round(run["timings"]["prompt_per_second"], 1),
-            })
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-", dir=DEFAULT_WORKDIR) as d:
+        srv = Node("state", Path(d), smollm2_path(), ["-c", str(ctx), "-np", "1", "-fa", "on", "-b", "2048",
+                                                      "-ub", "512", "--cache-ram", "0"], None, CHUNK_TOKENS)
+        srv.start(with_sidecar=False)
+        try:
+            rows = _real_rows(srv.llama_url, srv.slot_dir, lengths, repeat)
+        finally:
+            srv.stop()
+    return rows
+
+
+def _real_rows(url: str, slot_dir: Path, lengths: list[int], repeat: int) -> list[dict[str, Any]]:
+    rows = []
+    # Warm-up: the first completion of a fresh server also pages the weights in.
+    _post(url + "/completion", {"prompt": _prompt_tokens(url, 64), "n_predict": 1, "id_slot": 0})
+    for n in lengths:
+        prompt = _prompt_tokens(url, n)
+        body = {"prompt": prompt, "n_predict": 1, "temperature": 0, "cache_prompt": True, "id_slot": 0}
+        _post(url + "/slots/0?action=erase", {})
+        run, recompute_wall = _post(url + "/completion", body)
+        saved, save_wall = _post(url + "/slots/0?action=save", {"filename": "bench.bin"})
+        data = (slot_dir / "bench.bin").read_bytes()
+        codec = codec_figures(data, repeat)
+        state = parse_state(data)
+        split = split_state(state, CHUNK_TOKENS, tail=True)
+        t = time.perf_counter()
+        payloads = [*split.chunks, *([split.tail] if split.tail else [])]
+        v_trans = bool(state.v_trans)  # as kvtier writes it: slices of the chunks unless V is transposed
+        (slot_dir / "restore.bin").unlink(missing_ok=True)
+        write_pieces(slot_dir / "restore.bin", state_pieces(payloads, split.tokens, v_trans=v_trans)
+                     or [assemble_state(payloads, split.tokens, v_trans=v_trans)])
+        write_ms = 1e3 * (time.perf_counter() - t)
+        restores = []
+        for _ in range(repeat):
+            _post(url + "/slots/0?action=erase", {})
+            res, wall = _post(url + "/slots/0?action=restore", {"filename": "restore.bin"})
+            restores.append((res["timings"]["restore_ms"], wall))
+        after, _ = _post(url + "/completion", body)
+        assert after["timings"]["prompt_n"] == 1, after["timings"]  # only the last token is recomputed
+        rows.append({
+            "n_tokens": n, "file_bytes": len(data),
+            "save_ms": saved["timings"]["save_ms"], "save_wall_ms": round(save_wall, 1),
+            "split_gbps": codec["split"]["median_gbps"], "assemble_gbps": codec["assemble"]["median_gbps"],
+            "assemble_and_write_ms": round(write_ms, 1),
+            "restore_ms": round(statistics.median(r[0] for r in restores), 1),
+            "restore_wall_ms": round(statistics.median(r[1] for r in restores), 1),
+            "recompute_ms": round(run["timings"]["prompt_ms"], 1), "recompute_wall_ms": round(recompute_wall, 1),
+            "prefill_tokens_per_s": round(run["timings"]["prompt_per_second"], 1),
+        })
     return rows
 
 

@@ -25,7 +25,6 @@ import os
 import platform
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -159,17 +158,10 @@ def valkey(url: str | None) -> Iterator[str]:
     if url:
         yield url
         return
-    sys.path.insert(0, os.getcwd())
-    try:
-        from tests.servers import redis_server  # the repository's test helper (run from the root)
-    except ImportError:  # an installed kvtier: the sidecar's embedded Valkey
-        from sidecar.procs import valkey as embedded
+    from sidecar.procs import valkey as embedded
 
-        with embedded() as embedded_url:
-            yield embedded_url
-        return
-    with redis_server() as srv:
-        yield srv.url
+    with embedded() as embedded_url:
+        yield embedded_url
 
 
 def summary(rows: list[Row], chain: dict[str, float]) -> dict[str, float]:

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import glob
-import os
+import json
 import logging
+import os
 import tempfile
 from collections.abc import AsyncIterator
 from typing import Any
