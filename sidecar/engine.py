@@ -94,6 +94,7 @@ class KVEngine:
         self.slots: SlotTable | None = None
         self._probe_lock = asyncio.Lock()
         self._pending: set[asyncio.Task[None]] = set()
+        self._resynced: dict[int, int] = {}  # slot -> llama-server's token count when last read again
         self.last_error = ""
         self._server_signature: tuple[str, ...] = ()
         self._warned_unsplittable = False
@@ -520,8 +521,12 @@ class KVEngine:
                 self.slots.set_tokens(slot_id, np.zeros(0, np.int32))
                 slot.served = False
                 lost += 1
-            elif held and int(held) != slot.tokens.size and await self._resync(slot_id):
-                log.info("slot %d was used without kvtier: it now holds %d tokens", slot_id, int(held))
+            elif held and int(held) != slot.tokens.size and self._resynced.get(slot_id) != int(held):
+                # Once per count: should a state's token count ever differ from the server's own
+                # figure, this must not become a slot save every few seconds.
+                self._resynced[slot_id] = int(held)
+                if await self._resync(slot_id):
+                    log.info("slot %d was used without kvtier: it now holds %d tokens", slot_id, int(held))
         if lost:
             log.info("%d slot(s) no longer hold what kvtier recorded (llama-server restarted?)", lost)
 
@@ -545,3 +550,4 @@ class KVEngine:
     def forget_slots(self) -> None:
         """llama-server restarted: its slots are empty, and the layout must be learned again."""
         self.target = None
+        self._resynced.clear()
