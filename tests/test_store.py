@@ -171,6 +171,18 @@ async def test_fetch_promotes_lower_tier_hits(store: TieredStore, fresh: TieredS
     assert (await fresh.fetch(NS, chain)).tiers == ["memory"] * 4
 
 
+async def test_promotion_can_wait_until_the_payloads_are_used(store: TieredStore, fresh: TieredStore) -> None:
+    toks = tokens(5, 3)
+    chain = chain_of(toks)
+    await store.store(NS, chain, Payloads(toks))
+    assert await store.flush(5)
+    got = await fresh.fetch(NS, chain, promote=False)  # what a restore does: nothing copied yet
+    assert got.tiers == ["redis"] * 3 and fresh.counters.promotions == 0
+    assert (await fresh.lookup(NS, toks)).tiers == ["redis"] * 3
+    await fresh.promote(got)  # after the answer
+    assert fresh.counters.promotions == 6 and (await fresh.lookup(NS, toks)).tiers == ["memory"] * 3
+
+
 # -- dedup ----------------------------------------------------------------------------------------
 
 
