@@ -409,6 +409,8 @@ def write_pieces(path: str | os.PathLike[str], pieces: Sequence[BytesLike]) -> i
     try:
         while i < len(todo):
             n = os.writev(fd, todo[i : i + _IOV_MAX])
+            if n <= 0:
+                raise OSError(f"writev wrote nothing to {path}")
             total += n
             while n:  # skip what was written; a short write leaves the rest of a piece
                 if n >= todo[i].nbytes:
