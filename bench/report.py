@@ -389,6 +389,12 @@ def render_plots(report: dict[str, Any], img_dir: Path) -> dict[str, str]:
     sc = {k: v for k, v in report.get("scenarios", {}).items() if not failed(v)}
     out: dict[str, str] = {}
 
+    def save(fig: Any, name: str) -> None:
+        fig.tight_layout()
+        out[name] = str(img_dir / f"{name}.png")
+        fig.savefig(out[name], dpi=110)
+        plt.close(fig)
+
     moves, short = sc.get("move") or [], sc.get("short")
     if moves or short:
         fig, ax = plt.subplots(figsize=(7.5, 4.8))
@@ -420,10 +426,7 @@ def render_plots(report: dict[str, Any], img_dir: Path) -> dict[str, str]:
         ax.set_title("Restore vs recompute: time to first token")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-        fig.tight_layout()
-        out["ttft_vs_context"] = str(img_dir / "ttft_vs_context.png")
-        fig.savefig(out["ttft_vs_context"], dpi=110)
-        plt.close(fig)
+        save(fig, "ttft_vs_context")
 
     turns = sc.get("turns")
     if turns:
@@ -449,10 +452,7 @@ def render_plots(report: dict[str, Any], img_dir: Path) -> dict[str, str]:
         if turns["modes"].get("direct-rolling"):
             axes[1].text(0.02, 0.02, "dotted: the turn lands on a node restarted just before", fontsize=7,
                          transform=axes[1].transAxes)
-        fig.tight_layout()
-        out["ttft_per_turn"] = str(img_dir / "ttft_per_turn.png")
-        fig.savefig(out["ttft_per_turn"], dpi=110)
-        plt.close(fig)
+        save(fig, "ttft_per_turn")
 
     mem = sc.get("memory") or []
     if mem:
@@ -465,10 +465,7 @@ def render_plots(report: dict[str, Any], img_dir: Path) -> dict[str, str]:
         ax.set_ylabel("MB")
         ax.set_title(f"{mem[0]['sessions']} sessions sharing a {mem[0]['system_tokens']:,}-token prompt")
         ax.legend()
-        fig.tight_layout()
-        out["memory"] = str(img_dir / "memory.png")
-        fig.savefig(out["memory"], dpi=110)
-        plt.close(fig)
+        save(fig, "memory")
 
     mu = sc.get("multiuser")
     if mu:
@@ -483,10 +480,7 @@ def render_plots(report: dict[str, Any], img_dir: Path) -> dict[str, str]:
         w = mu["workload"]
         ax.set_title(f"{w['users']} users x {w['rounds']} rounds on {w['nodes']} nodes")
         ax.legend()
-        fig.tight_layout()
-        out["multiuser"] = str(img_dir / "multiuser.png")
-        fig.savefig(out["multiuser"], dpi=110)
-        plt.close(fig)
+        save(fig, "multiuser")
     return out
 
 

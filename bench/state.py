@@ -125,7 +125,6 @@ def real_figures(lengths: list[int], repeat: int) -> list[dict[str, Any]]:
 
     from .common import DEFAULT_WORKDIR
 
-    rows = []
     ctx = max(lengths) + 64
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-", dir=DEFAULT_WORKDIR) as d:
         srv = Node("state", Path(d), smollm2_path(), ["-c", str(ctx), "-np", "1", "-fa", "on", "-b", "2048",
