@@ -224,6 +224,9 @@ async def test_concurrent_deletes_during_restore(nodes: Nodes) -> None:
     assert all(s in (200, 404, 409, 410) for s in statuses), results
     assert sum(1 for s, body in results[3:] if s == 200) <= 1  # one delete wins
     assert (await call("GET", a.url + "/healthz"))[0] == 200
+    # A restore that finishes after the delete records its use without bringing the session back.
+    await a.engine.sessions.touch(ns, manifest)
+    assert (await call("GET", a.url + "/v1/sessions/race-1"))[0] == 404
     # the prefix chunks, which other sessions share, are intact in Redis
     found = await nodes.b.store.lookup(ns, manifest.tokens, manifest.chunks)
     assert found.n_chunks == manifest.chunks

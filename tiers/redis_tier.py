@@ -392,8 +392,11 @@ class RedisTier:
         """
         return bool(await self._run("del", lambda: self._client.delete(key)))
 
-    async def set_raw(self, key: bytes | str, value: bytes | str, *, ttl: float | None | _Default = TIER_TTL) -> None:
+    async def set_raw(self, key: bytes | str, value: bytes | str, *, ttl: float | None | _Default = TIER_TTL,
+                      only_if_exists: bool = False) -> bool:
         """SET one value; ``ttl``: seconds, None for no expiry, or the tier's TTL (default).
+
+        Returns False when ``only_if_exists`` (SET XX) and the key did not exist.
 
         Raises:
             TierUnavailable: Redis cannot be reached.
@@ -404,7 +407,7 @@ class RedisTier:
             ex = None
         else:
             ex = max(1, math.ceil(_positive("ttl", ttl) or 1))
-        await self._run("set", lambda: self._client.set(key, value, ex=ex))
+        return bool(await self._run("set", lambda: self._client.set(key, value, ex=ex, xx=only_if_exists)))
 
     async def scan(self, pattern: str | bytes, count: int = 1000, limit: int | None = None) -> list[bytes]:
         """Keys matching a glob ``pattern`` (every primary in cluster mode), without duplicates.

@@ -214,9 +214,10 @@ class SessionStore:
         return payloads, slowest
 
     async def touch(self, namespace: Namespace, manifest: Manifest) -> None:
+        """Record a use of the session, unless it was deleted meanwhile (never brings it back)."""
         from dataclasses import replace
 
-        await self._put_manifest(namespace, replace(manifest, last_used=self._clock()))
+        await self._put_manifest(namespace, replace(manifest, last_used=self._clock()), only_if_exists=True)
 
     async def delete(self, namespace: Namespace, session_id: str) -> bool:
         """Delete the manifest and the tail (shared chunks stay: other sessions may use them)."""
@@ -260,11 +261,11 @@ class SessionStore:
             return None
         return Manifest.from_json(raw)
 
-    async def _put_manifest(self, namespace: Namespace, manifest: Manifest) -> None:
+    async def _put_manifest(self, namespace: Namespace, manifest: Manifest, *, only_if_exists: bool = False) -> None:
         key = session_key(namespace, manifest.id)
         if self.redis is not None:
-            await self.redis.set_raw(key, manifest.to_json())
-        else:
+            await self.redis.set_raw(key, manifest.to_json(), only_if_exists=only_if_exists)
+        elif not only_if_exists or key in self._local:
             self._local[key] = manifest.to_json()
 
 
