@@ -65,6 +65,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     _remove_stale_files(settings.slot_dir or ".")
     session = aiohttp.ClientSession(
         auto_decompress=False,  # relay bytes unchanged, encoding included
+        # A proxy keeps no cookies: one client's would be sent with every other client's requests.
+        cookie_jar=aiohttp.DummyCookieJar(),
         timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=None),
         # llama-server drops idle keep-alive connections after 5 s; reusing one it dropped fails
         # the request (ServerDisconnectedError), so kvtier lets them go first.

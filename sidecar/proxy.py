@@ -77,6 +77,18 @@ async def _relay(request: web.Request, body: bytes, extra_headers: Mapping[str, 
                                  content_type="application/json") from None
     out.status = upstream.status
     try:
+        length = upstream.content_length
+        if not _is_stream(upstream) and length is not None and length <= MAX_CAPTURE:
+            # A whole answer of known size (llama-server computes it before sending): relayed in
+            # one write with its Content-Length rather than in chunks.
+            body = await upstream.read()
+            out.upstream_complete = True
+            if capture:
+                out.tail += body
+            whole = web.Response(status=upstream.status, reason=upstream.reason, body=body,
+                                 headers=_forward_headers(upstream.headers))
+            whole.headers.update(extra_headers)
+            return whole
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         response.headers.update(_forward_headers(upstream.headers))
         response.headers.update(extra_headers)
