@@ -11,10 +11,14 @@ Needs the ``gguf`` package (a test dependency): ``python -m integrations.ggufgen
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+
+TokenizerEdit = Callable[[str, Any], Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +48,7 @@ class ModelShape:
             raise ValueError("head_dim must be even (RoPE rotates pairs)")
 
 
-def _copy_tokenizer(writer: object, reader: object) -> int:
+def _copy_tokenizer(writer: object, reader: object, edit: TokenizerEdit | None = None) -> int:
     import gguf
 
     assert isinstance(writer, gguf.GGUFWriter) and isinstance(reader, gguf.GGUFReader)
@@ -59,13 +63,13 @@ def _copy_tokenizer(writer: object, reader: object) -> int:
                 val: object = [bytes(field.parts[i]) for i in field.data]
             else:
                 val = [field.parts[i].tolist()[0] for i in field.data]
-            writer.add_key_value(key, val, main, sub_type=sub)
+            writer.add_key_value(key, edit(key, val) if edit else val, main, sub_type=sub)
             if key == "tokenizer.ggml.tokens":
                 vocab = len(field.data)
-        elif main == gguf.GGUFValueType.STRING:
-            writer.add_key_value(key, bytes(field.parts[field.data[0]]), main)
         else:
-            writer.add_key_value(key, field.parts[field.data[0]].tolist()[0], main)
+            val = (bytes(field.parts[field.data[0]]) if main == gguf.GGUFValueType.STRING
+                   else field.parts[field.data[0]].tolist()[0])
+            writer.add_key_value(key, edit(key, val) if edit else val, main)
     if not vocab:
         raise ValueError("the tokenizer source has no tokenizer.ggml.tokens")
     return vocab
@@ -73,7 +77,7 @@ def _copy_tokenizer(writer: object, reader: object) -> int:
 
 def write_random_llama(
     path: str | Path, tokenizer_from: str | Path, shape: ModelShape = ModelShape(), *, seed: int = 0,
-    name: str = "kvtier-random",
+    name: str = "kvtier-random", edit_tokenizer: TokenizerEdit | None = None,
 ) -> Path:
     """Write a random-weight llama GGUF to ``path``.
 
@@ -83,6 +87,8 @@ def write_random_llama(
         shape: the model's hyperparameters.
         seed: weights seed; the same seed and shape give a byte-identical file.
         name: ``general.name``.
+        edit_tokenizer: ``(key, value) -> value`` applied to each copied ``tokenizer.*`` value
+            (strings as bytes): a vocabulary that tokenizes some text differently.
 
     Returns:
         ``path``.
@@ -106,7 +112,7 @@ def write_random_llama(
     writer.add_rope_freq_base(shape.rope_freq_base)
     writer.add_layer_norm_rms_eps(shape.rms_eps)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    n_vocab = _copy_tokenizer(writer, gguf.GGUFReader(str(tokenizer_from)))
+    n_vocab = _copy_tokenizer(writer, gguf.GGUFReader(str(tokenizer_from)), edit_tokenizer)
     writer.add_vocab_size(n_vocab)
 
     def weight(rows: int, cols: int) -> np.ndarray:

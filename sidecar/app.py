@@ -92,6 +92,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         drained = await engine.drain(settings.shutdown_timeout)
         if not drained:
             log.warning("shutdown: pending slot saves did not finish in %.0fs", settings.shutdown_timeout)
+        engine.prompts.close()
         await store.aclose(drain_timeout=settings.shutdown_timeout)
         await session.close()
 

@@ -42,6 +42,8 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "node_id": (None, "name of this node in events and metrics (default: hostname)"),
     "model": (None, "path of the GGUF llama-server serves, to fingerprint it (default: from /props)"),
     "model_id": (None, "explicit model identity instead of hashing the GGUF"),
+    "local_tokenizer": ("auto", "auto: render chats and tokenize prompts in kvtier where it can (tokenizing needs "
+                                "llama-cpp-python and the model file), checked against llama-server; off: ask it"),
     "log_format": ("text", "text or json"),
     "auth_token": (None, "bearer token for the sessions and admin API"),
     "auth_token_file": (None, "file holding the bearer token"),
@@ -76,6 +78,7 @@ class Settings:
     node_id: str = ""
     model: str | None = None
     model_id: str | None = None
+    local_tokenizer: str = "auto"
     log_format: str = "text"
     auth_token: str | None = field(default=None, repr=False)
     auth_token_file: str | None = None
@@ -248,6 +251,8 @@ def validate(s: Settings) -> None:
         raise ConfigError(f"ttl must not be negative, got {s.ttl}")
     if s.eviction not in ("s3fifo", "lru"):
         raise ConfigError(f"eviction must be s3fifo or lru, got {s.eviction!r}")
+    if s.local_tokenizer not in ("auto", "off"):
+        raise ConfigError(f"local_tokenizer must be auto or off, got {s.local_tokenizer!r}")
     if s.log_format not in ("text", "json"):
         raise ConfigError(f"log_format must be text or json, got {s.log_format!r}")
     if s.auth_all and not s.auth_token:

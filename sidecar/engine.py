@@ -28,13 +28,14 @@ from integrations.fingerprint import layout_fingerprint, model_identity
 from integrations.llama_server import LlamaServerClient, LlamaServerError, Timings, prefix_reused
 from integrations.statefile import SeqState, parse_state
 from tiers.errors import KVTierError
-from tiers.keys import ChunkHash, Namespace, as_token_array, chunk_key, events_channel, prefix_chain
+from tiers.keys import ChunkHash, Namespace, chunk_key, events_channel, prefix_chain
 from tiers.sessions import Manifest, SessionError, SessionStore
 from tiers.store import FetchResult, TieredStore
 
 from .config import Settings
 from .costmodel import CostModel
 from .metrics import Metrics
+from .prompts import Prompt, PromptTokens
 from .slots import Lease, SlotTable, common_prefix
 
 log = logging.getLogger("kvtier.engine")
@@ -72,6 +73,7 @@ class RequestPlan:
     namespace: Namespace
     salt: str = ""
     session_id: str | None = None
+    prompt: Prompt | None = None  # checked against the tokens llama-server saves
     restored_tokens: int = 0
     restore_tier: str = ""
     restore_ms: float = 0.0
@@ -100,6 +102,7 @@ class KVEngine:
         self._warned_unsplittable = False
         self.sessions = SessionStore(store, events)
         self.session_slots: dict[str, int] = {}  # session id -> the slot that served it last
+        self.prompts = PromptTokens(client, metrics, in_process=settings.local_tokenizer != "off")
 
     # -- start-up -------------------------------------------------------------------------------
 
@@ -159,6 +162,7 @@ class KVEngine:
         self.target = Target(n_slots, n_stream or 1, bool(layout_state.v_trans), model_id, ns,
                              layout.bytes_per_token, n_ctx)
         self._server_signature = _signature(props)
+        await self.prompts.setup(props, self.settings.model or model_path)
         self.slots = table
         log.info("llama-server: %d slots, n_stream %d, v_trans %s, %d bytes/token, namespace %s",
                  n_slots, self.target.n_stream, self.target.v_trans, layout.bytes_per_token, ns.id)
@@ -194,36 +198,32 @@ class KVEngine:
 
     # -- before the request ---------------------------------------------------------------------
 
-    async def tokens_for(self, kind: str, body: Mapping[str, Any]) -> np.ndarray | None:
+    async def prompt_for(self, kind: str, body: Mapping[str, Any]) -> Prompt | None:
         """The prompt tokens the server will see, or None when this request is not cacheable."""
-        if kind == "chat":
-            if not isinstance(body.get("messages"), list):
-                return None
-            prompt: Any = await self.client.apply_template(body)
-        else:
-            prompt = body.get("prompt")
-        if isinstance(prompt, str):
-            return as_token_array(await self.client.tokenize(prompt))
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return as_token_array(prompt)
-        return None  # several prompts, mixed or multimodal input: passed through uncached
+        return await self.prompts.prompt_for(kind, body)
 
-    async def prepare(self, tokens: np.ndarray, *, want_slot: int | None = None, salt: str = "",
-                      timeout: float | None = None, session_id: str | None = None) -> RequestPlan:
+    async def prepare(self, tokens: np.ndarray | Prompt, *, want_slot: int | None = None, salt: str = "",
+                      timeout: float | None = None, session_id: str | None = None,
+                      since: float | None = None) -> RequestPlan:
         """Take a slot for ``tokens`` and restore the longest worthwhile prefix into it.
 
         Args:
+            tokens: the prompt's tokens, or a ``Prompt`` (checked after the answer).
+            since: ``perf_counter()`` when the request's own work began (counted as overhead).
             salt: the tenant; it salts the namespace and only its own slots count as cached.
             session_id: restore this session first when it is a prefix of ``tokens`` (and save
                 the request's result under it afterwards).
         """
         assert self.target is not None and self.slots is not None
-        t0 = time.perf_counter()
+        t0 = time.perf_counter() if since is None else since
+        prompt = tokens if isinstance(tokens, Prompt) else None
+        if isinstance(tokens, Prompt):
+            tokens = tokens.tokens
         self.metrics.slot_queue.set(self.slots.queue_depth + 1)
         lease = await self.slots.acquire(tokens, want=want_slot, timeout=timeout, owner=salt)
         self.metrics.slot_queue.set(self.slots.queue_depth)
         ns = self.target.namespace.salted(salt) if salt else self.target.namespace
-        plan = RequestPlan(tokens, lease, ns, salt, session_id)
+        plan = RequestPlan(tokens, lease, ns, salt, session_id, prompt)
         if session_id is not None:
             self.session_slots[session_id] = lease.slot
         t1 = time.perf_counter()
@@ -389,9 +389,12 @@ class KVEngine:
                 fetched, plan.fetched = plan.fetched, None
                 await self.store.promote(fetched)
             if ok and plan.session_id is not None:
-                await self.save_session(plan.lease.slot, plan.namespace, plan.session_id, owner=plan.salt)
+                manifest = await self.save_session(plan.lease.slot, plan.namespace, plan.session_id,
+                                                   owner=plan.salt)
+                self.prompts.check(plan.prompt, manifest.tokens)
             elif ok:
-                await self.save_slot(plan.lease.slot, plan.namespace, owner=plan.salt)
+                state, _ = await self.save_slot(plan.lease.slot, plan.namespace, owner=plan.salt)
+                self.prompts.check(plan.prompt, state.tokens.tokens)
             else:
                 # Nothing from a failed request is cached; what the slot holds now is unknown.
                 self.slots.set_tokens(plan.lease.slot, np.zeros(0, np.int32))

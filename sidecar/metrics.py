@@ -8,6 +8,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from tiers.store import TieredStore
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+FAST_BUCKETS = (0.0002, 0.0005, 0.001, 0.002) + LATENCY_BUCKETS  # sub-millisecond steps
 
 
 class _TierCollector:
@@ -62,7 +63,16 @@ class Metrics:
             "kvtier_restore_phase_seconds", "Restore time by phase: fetch (tiers), assemble, write (state file), "
             "llama (llama-server's restore)", ["phase"], buckets=LATENCY_BUCKETS, registry=r)
         self.save_seconds = Histogram("kvtier_save_seconds", "Slot save + split + store", buckets=LATENCY_BUCKETS, registry=r)
-        self.overhead_seconds = Histogram("kvtier_overhead_seconds", "Sidecar time before forwarding", buckets=LATENCY_BUCKETS, registry=r)
+        self.overhead_seconds = Histogram("kvtier_overhead_seconds", "Sidecar time before forwarding (prompt tokens, "
+                                          "slot choice, restore)", buckets=FAST_BUCKETS, registry=r)
+        self.prompt_seconds = Histogram(
+            "kvtier_prompt_seconds", "Time to learn a request's prompt tokens: ids (given), in_process, "
+            "llama_server (at least one round trip)", ["way"], buckets=FAST_BUCKETS, registry=r)
+        self.prompt_mismatches = Counter(
+            "kvtier_prompt_mismatches", "In-process prompt steps turned off because llama-server disagreed",
+            ["step"], registry=r)
+        self.prompt_in_process = Gauge("kvtier_prompt_in_process", "1 while the step (render, tokenize) runs in "
+                                       "kvtier, 0 while llama-server is asked", ["step"], registry=r)
         self.bytes_restored = Counter("kvtier_bytes_restored", "State bytes restored into llama-server", registry=r)
         self.bytes_saved = Counter("kvtier_bytes_saved", "New chunk bytes stored", registry=r)
         self.slot_queue = Gauge("kvtier_slot_queue_depth", "Requests waiting for a slot", registry=r)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -149,12 +150,13 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
     if not isinstance(body, dict) or body.get("cache_prompt") is False or not await engine.ensure_ready():
         metrics.requests.labels(kind, "passthrough").inc()
         return await passthrough(request, raw)
+    started = time.perf_counter()
     try:
-        tokens = await engine.tokens_for(kind, body)
+        prompt = await engine.prompt_for(kind, body)
     except LlamaServerError as exc:
         log.info("not cacheable (%s); passing through", exc)
-        tokens = None
-    if tokens is None or tokens.size == 0:
+        prompt = None
+    if prompt is None or prompt.tokens.size == 0:
         metrics.requests.labels(kind, "passthrough").inc()
         return await passthrough(request, raw)
     session_id = request.headers.get("X-Session-Id")
@@ -166,7 +168,8 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
     want = body.get("id_slot")
     want = want if isinstance(want, int) and not isinstance(want, bool) and 0 <= want < engine.target.n_slots else None  # type: ignore[union-attr]
     salt = _tenant_salt(request, body)
-    plan = await engine.prepare(tokens, want_slot=want, salt=salt, session_id=session_id)
+    plan = await engine.prepare(prompt, want_slot=want, salt=salt, session_id=session_id, since=started)
+    tokens = plan.tokens
     relay = Relay()
     try:
         headers = {

@@ -1,0 +1,176 @@
+"""A model's vocabulary loaded in-process, to tokenize prompts exactly as llama-server does.
+
+llama-cpp-python (the ``llama`` extra, pinned to the llama.cpp llama-server is built from) loads
+the GGUF with ``vocab_only``: metadata and vocabulary, no weights (~0.1 s, a few MB). Tokenizing
+then calls the same ``llama_tokenize`` llama-server's completion endpoints call, with the same
+flags (special tokens added and parsed), without an HTTP round trip.
+
+For byte-level BPE vocabularies (most current models), a conversation's prompt is mostly text
+seen before: llama.cpp first cuts a text at every special token (``<|im_start|>``...) and then
+tokenizes each piece between them on its own (``tokenizer_st_partition`` in ``llama-vocab.cpp``).
+kvtier makes the same cut and remembers the tokens of each piece, so a new turn costs the
+tokenization of its new messages, not of the whole history (~1.6 us per token on a small CPU).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from collections import OrderedDict
+
+import numpy as np
+
+CACHE_BYTES = 16 << 20  # text of the remembered pieces
+C_SPACE = b" \t\n\v\f\r"  # C isspace(), what llama.cpp strips beside LSTRIP/RSTRIP tokens
+
+
+class VocabUnavailable(RuntimeError):
+    """llama-cpp-python is not installed or the model file cannot be loaded."""
+
+
+class Vocab:
+    """The vocabulary of one GGUF.
+
+    ``tokenize`` belongs to one thread (the event loop); ``tokenize_whole`` may run in any.
+    """
+
+    def __init__(self, path: str, cache_bytes: int = CACHE_BYTES):
+        try:
+            import llama_cpp
+        except ImportError as exc:
+            raise VocabUnavailable(f"llama-cpp-python is not installed ({exc})") from None
+        # llama.cpp logs every loaded key to stderr unless its Python logger is set above INFO.
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
+        self._ll = llama_cpp
+        _init_backend(llama_cpp)
+        params = llama_cpp.llama_model_default_params()
+        params.vocab_only = True
+        model = llama_cpp.llama_model_load_from_file(path.encode(), params)
+        if not model:
+            raise VocabUnavailable(f"llama.cpp could not load the vocabulary of {path}")
+        self._model = model
+        self._vocab = llama_cpp.llama_model_get_vocab(model)
+        self._token_p = ctypes.POINTER(llama_cpp.llama_token)
+        self.path = path
+        self.add_bos = bool(llama_cpp.llama_vocab_get_add_bos(self._vocab))
+        self.add_eos = bool(llama_cpp.llama_vocab_get_add_eos(self._vocab))
+        self._bos = int(llama_cpp.llama_vocab_bos(self._vocab))
+        self._eos = int(llama_cpp.llama_vocab_eos(self._vocab))
+        self._specials = self._special_tokens() if llama_cpp.llama_vocab_type(self._vocab) == \
+            llama_cpp.LLAMA_VOCAB_TYPE_BPE else None
+        self._pieces: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        self._cached_bytes = 0
+        self._cache_limit = cache_bytes
+
+    def _special_tokens(self) -> list[tuple[bytes, int, bool, bool]]:
+        """(text, id, lstrip, rstrip) of every token llama.cpp cuts a text at, longest first."""
+        ll = self._ll
+        kinds = ll.LLAMA_TOKEN_ATTR_CONTROL | ll.LLAMA_TOKEN_ATTR_USER_DEFINED | ll.LLAMA_TOKEN_ATTR_UNKNOWN
+        out = []
+        for tid in range(ll.llama_vocab_n_tokens(self._vocab)):
+            attr = ll.llama_vocab_get_attr(self._vocab, tid)
+            if attr & kinds:
+                text = ll.llama_vocab_get_text(self._vocab, tid) or b""
+                if text:
+                    out.append((bytes(text), tid, bool(attr & ll.LLAMA_TOKEN_ATTR_LSTRIP),
+                                bool(attr & ll.LLAMA_TOKEN_ATTR_RSTRIP)))
+        out.sort(key=lambda s: -len(s[0]))
+        return out
+
+    def tokenize(self, text: str) -> np.ndarray:
+        """Token ids of ``text`` as llama-server tokenizes a prompt (special tokens added and parsed).
+
+        Raises UnicodeEncodeError on lone surrogates.
+        """
+        data = text.encode("utf-8")
+        if self._specials is None:
+            return self._tokenize_bytes(data, True)
+        out: list[np.ndarray] = []
+        if self.add_bos:
+            out.append(np.array([self._bos], np.int32))
+        for piece in self._partition(data):
+            out.append(np.array([piece], np.int32) if isinstance(piece, int) else self._piece_tokens(piece))
+        if self.add_eos:
+            out.append(np.array([self._eos], np.int32))
+        return np.concatenate(out) if out else np.zeros(0, np.int32)
+
+    def tokenize_whole(self, text: str) -> np.ndarray:
+        """``tokenize`` without the piece cache: one llama.cpp call, safe in any thread."""
+        return self._tokenize_bytes(text.encode("utf-8"), True)
+
+    def _partition(self, data: bytes) -> list[bytes | int]:
+        """llama.cpp's cut of ``data`` at special tokens: text pieces and token ids, in order."""
+        pieces: list[bytes | int] = [data] if data else []
+        assert self._specials is not None
+        for special, tid, lstrip, rstrip in self._specials:
+            if special not in data:
+                continue
+            cut: list[bytes | int] = []
+            for piece in pieces:
+                if isinstance(piece, int):
+                    cut.append(piece)
+                    continue
+                start = 0
+                while (match := piece.find(special, start)) >= 0:
+                    left = piece[start:match]
+                    if lstrip:
+                        left = left.rstrip(C_SPACE)
+                    if left:
+                        cut.append(left)
+                    cut.append(tid)
+                    start = match + len(special)
+                    if rstrip:
+                        while start < len(piece) and piece[start] in C_SPACE:
+                            start += 1
+                if start < len(piece):
+                    cut.append(piece[start:])
+            pieces = cut
+        return pieces
+
+    def _piece_tokens(self, piece: bytes) -> np.ndarray:
+        tokens = self._pieces.get(piece)
+        if tokens is not None:
+            self._pieces.move_to_end(piece)
+            return tokens
+        tokens = self._tokenize_bytes(piece, False)
+        if len(piece) <= self._cache_limit // 4:
+            self._pieces[piece] = tokens
+            self._cached_bytes += len(piece)
+            while self._cached_bytes > self._cache_limit:
+                old, _ = self._pieces.popitem(last=False)
+                self._cached_bytes -= len(old)
+        return tokens
+
+    def _tokenize_bytes(self, data: bytes, add_special: bool) -> np.ndarray:
+        if self._model is None:
+            raise VocabUnavailable("vocabulary closed")
+        # Never more tokens than bytes, plus BOS/EOS: one call almost always suffices.
+        out = np.empty(len(data) + 2, np.int32)
+        n = self._ll.llama_tokenize(self._vocab, data, len(data), out.ctypes.data_as(self._token_p), out.size,
+                                    add_special, True)
+        if n < 0:
+            out = np.empty(-n, np.int32)
+            n = self._ll.llama_tokenize(self._vocab, data, len(data), out.ctypes.data_as(self._token_p), out.size,
+                                        add_special, True)
+            if n < 0:
+                raise RuntimeError("llama_tokenize failed")
+        return out[:n].copy()
+
+    def close(self) -> None:
+        if self._model is not None:
+            self._ll.llama_model_free(self._model)
+            self._model = None
+        self._pieces.clear()
+
+
+_backend_lock = threading.Lock()
+_backend_ready = False
+
+
+def _init_backend(llama_cpp: object) -> None:
+    global _backend_ready
+    with _backend_lock:
+        if not _backend_ready:
+            llama_cpp.llama_backend_init()  # type: ignore[attr-defined]
+            _backend_ready = True
