@@ -558,13 +558,16 @@ class KVTierCache(BaseLlamaCache):
         if state.split_reason is not None:
             self._warn_once(state.split_reason, "state not stored: %s", state.split_reason)
             return None
-        result = self.store.call(self.store.store.store(ns, chain, _lazy_chunks(state, ns.chunk_tokens)), self.timeout)
+        redis = self.store.redis
+        announce = None
+        if redis is not None:
+            async def announce(written: list[bytes]) -> None:  # once Redis holds them (write-behind)
+                await redis.publish_chunks_stored(events_channel(ns), written)
+        result = self.store.call(self.store.store.store(ns, chain, _lazy_chunks(state, ns.chunk_tokens),
+                                                        announce=announce), self.timeout)
         self.counters.saves += 1
         self.counters.chunks_written += result.chunks_written
         self.counters.bytes_written += result.bytes_encoded
-        if result.chunks_written and self.store.redis is not None:
-            self._publish("chunk_stored", self.store.redis.publish_chunks_stored(
-                events_channel(ns), [chunk_key(ns, h) for h in chain[-result.chunks_written:]]))
         log.debug("stored %d new of %d chunks in %.1f ms", result.chunks_written, len(chain),
                   (time.perf_counter() - t0) * 1e3)
         return result

@@ -28,7 +28,7 @@ from integrations.fingerprint import layout_fingerprint, model_identity
 from integrations.llama_server import LlamaServerClient, LlamaServerError, Timings, prefix_reused
 from integrations.statefile import SeqState, parse_state
 from tiers.errors import KVTierError
-from tiers.keys import ChunkHash, Namespace, chunk_key, events_channel, prefix_chain
+from tiers.keys import Namespace, events_channel, prefix_chain
 from tiers.sessions import Manifest, SessionError, SessionStore
 from tiers.store import FetchResult, TieredStore
 
@@ -449,10 +449,12 @@ class KVEngine:
                     cache.update({split.first_chunk + j: p for j, p in enumerate(split.chunks)})
                 return cache[i]
 
-            result = await self.store.store(namespace, chain, payload)
+            announce = None
+            if self.events is not None:
+                async def announce(keys: list[bytes]) -> None:
+                    await self._publish_stored(namespace, keys)
+            result = await self.store.store(namespace, chain, payload, announce=announce)
             self.metrics.bytes_saved.inc(result.bytes_encoded)
-            if result.chunks_written and self.events is not None:
-                await self._publish_stored(namespace, chain[-result.chunks_written:])
         elif state.n_tokens and not self._warned_unsplittable:
             # Prefix restore needs chunks; such states are kept only by explicit session saves.
             self._warned_unsplittable = True
@@ -461,11 +463,10 @@ class KVEngine:
         self.metrics.save_seconds.observe(time.perf_counter() - t0)
         return state, result
 
-    async def _publish_stored(self, namespace: Namespace, chain: list[ChunkHash]) -> None:
+    async def _publish_stored(self, namespace: Namespace, keys: list[bytes]) -> None:
+        """Tell peers (pre-warming) which chunks Redis holds now; sent once they are written."""
         try:
-            await self.events.publish_chunks_stored(  # type: ignore[union-attr]
-                events_channel(namespace), [chunk_key(namespace, h) for h in chain]
-            )
+            await self.events.publish_chunks_stored(events_channel(namespace), keys)  # type: ignore[union-attr]
         except Exception as exc:
             log.debug("publishing an event failed: %s", exc)
 

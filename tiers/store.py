@@ -6,7 +6,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
 from .base import Tier, TierStats
@@ -20,6 +20,7 @@ DEFAULT_QUEUE_LIMIT = 32  # pending background jobs (one per stored state); the 
 BATCH_BYTES = 32 << 20  # bytes per background pipeline
 
 PayloadSource = Callable[[int], bytes | bytearray | memoryview]
+Announce = Callable[[list[bytes]], Awaitable[object]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +76,7 @@ class _Job:
     keys: list[bytes]
     blob: Callable[[int], bytes]
     enqueued: float = field(default_factory=time.monotonic)
+    announce: Announce | None = None  # told the keys a background tier holds now that it did not before
 
 
 class TieredStore:
@@ -225,6 +227,7 @@ class TieredStore:
         payloads: PayloadSource,
         *,
         flags: Flags = Flags.NONE,
+        announce: Announce | None = None,
     ) -> StoreResult:
         """Store the chunks of ``chain`` that are not stored yet.
 
@@ -232,6 +235,8 @@ class TieredStore:
         so a prefix shared by many sessions is split, encoded and sent once. The background writer
         may call it after this returns, so what it reads must not change (an immutable copy of the
         saved state): keys name tokens, not bytes, and a changed payload would be stored as valid.
+        ``announce(keys)`` is awaited once a background (shared) tier holds keys it lacked: peers
+        told of a chunk before then would find nothing.
         """
         t0 = time.perf_counter()
         keys = [chunk_key(namespace, h) for h in chain]
@@ -263,7 +268,7 @@ class TieredStore:
             # The writer probes each background tier itself (EXISTS before SET) and encodes only
             # what is missing there: a key seen once may be gone by now (TTL, eviction, a restarted
             # Redis), so nothing is assumed.
-            self._enqueue(_Job(keys, blob))
+            self._enqueue(_Job(keys, blob, announce=announce))
         return StoreResult(len(keys), len(written), sum(len(b) for b in blobs.values()), time.perf_counter() - t0)
 
     async def put_raw(self, key: bytes, blob: bytes) -> None:
@@ -382,6 +387,7 @@ class TieredStore:
             # Pipelines of ~32 MB keep each round trip large but bounded.
             batch: dict[bytes, bytes] = {}
             size = 0
+            written: list[bytes] = []
             for n, i in enumerate(missing):
                 value = job.blob(i)
                 batch[job.keys[i]] = value
@@ -392,10 +398,18 @@ class TieredStore:
                         # Tiers report failures as counts, not exceptions (a miss is not an error).
                         self.counters.background_errors += 1
                         log.warning("background write to %s stored %d of %d values", tier.name, stored, len(batch))
+                    else:
+                        written += batch
                     batch, size = {}, 0
         except Exception:
             self.counters.background_errors += 1
             log.warning("background write to %s failed", tier.name, exc_info=True)
+            return
+        if written and job.announce is not None:
+            try:
+                await job.announce(written)
+            except Exception:
+                log.debug("announcing %d stored keys failed", len(written), exc_info=True)
 
     async def flush(self, timeout: float | None = None) -> bool:
         """Wait until the background queue is empty; False if ``timeout`` ran out first."""
