@@ -396,15 +396,20 @@ def state_pieces(
     return pieces
 
 
-def write_pieces(path: str | os.PathLike[str], pieces: Sequence[BytesLike]) -> int:
-    """Write ``pieces`` one after the other as a new file (``writev``, no joined copy); returns its size.
+def write_pieces(path: str | os.PathLike[str], pieces: Sequence[BytesLike], *, overwrite: bool = False) -> int:
+    """Write ``pieces`` one after the other as the file ``path`` (``writev``, no joined copy); returns its size.
+
+    Args:
+        overwrite: write over an existing file in place (its pages are reused, then it is cut to
+            size) instead of creating a new one. A link at ``path`` is refused either way.
 
     Raises:
-        FileExistsError: ``path`` exists (names are meant to be unique).
+        FileExistsError: ``path`` exists and ``overwrite`` is False (names are meant to be unique).
         OSError: the file cannot be written (it is removed again).
     """
     todo = [v for v in (memoryview(p).cast("B") for p in pieces) if v.nbytes]
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+    flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, flags | (0 if overwrite else os.O_EXCL), 0o644)
     total = i = 0
     try:
         while i < len(todo):
@@ -418,6 +423,8 @@ def write_pieces(path: str | os.PathLike[str], pieces: Sequence[BytesLike]) -> i
                     i += 1
                 else:
                     todo[i], n = todo[i][n:], 0
+        if overwrite:
+            os.ftruncate(fd, total)  # a longer file written here before keeps no tail
     except BaseException:
         os.close(fd)
         os.unlink(path)

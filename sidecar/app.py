@@ -93,6 +93,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         if not drained:
             log.warning("shutdown: pending slot saves did not finish in %.0fs", settings.shutdown_timeout)
         engine.prompts.close()
+        engine.remove_kept_files()
         await store.aclose(drain_timeout=settings.shutdown_timeout)
         await session.close()
 

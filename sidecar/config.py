@@ -55,6 +55,8 @@ DEFAULTS: dict[str, tuple[Any, str]] = {
     "restore_gbps_prior": (0.5, "prior restore bandwidth (GB/s) before one is measured"),
     "prewarm": (False, "prefetch chunks announced by other nodes into the local tiers"),
     "shutdown_timeout": (20.0, "seconds to drain requests and writes on SIGTERM"),
+    "keep_restore_files": ("1G", "bytes of restore files (one per slot) kept in the slot dir and overwritten in "
+                                 "place by the next restore: no new pages to allocate (0 = remove each after use)"),
 }
 SECRETS = ("redis_password", "auth_token")
 
@@ -90,6 +92,7 @@ class Settings:
     restore_gbps_prior: float = 0.5
     prewarm: bool = False
     shutdown_timeout: float = 20.0
+    keep_restore_files: int = 1 << 30
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -120,7 +123,7 @@ def _coerce(name: str, value: Any) -> Any:
     kind = type(default) if default is not None else str
     if value is None:
         return None
-    if name in ("cache_size", "shared_size", "max_body"):
+    if name in ("cache_size", "shared_size", "max_body", "keep_restore_files"):
         return parse_size(value if isinstance(value, (int, str)) else str(value), name=name)
     if kind is bool:
         if isinstance(value, bool):

@@ -97,6 +97,8 @@ class KVEngine:
         self._probe_lock = asyncio.Lock()
         self._pending: set[asyncio.Task[None]] = set()
         self._resynced: dict[int, int] = {}  # slot -> llama-server's token count when last read again
+        self._kept_files: dict[int, int] = {}  # slot -> bytes of its restore file left in the slot dir
+        self._restore_locks: dict[int, asyncio.Lock] = {}
         self.last_error = ""
         self._server_signature: tuple[str, ...] = ()
         self._warned_unsplittable = False
@@ -346,15 +348,28 @@ class KVEngine:
         pieces = state_pieces(payloads, tokens, v_trans=v_trans, n_stream=n_stream) or [
             assemble_state(payloads, tokens, v_trans=v_trans, n_stream=n_stream)]
         t1 = time.perf_counter()
-        name = f"{FILE_PREFIX}restore-{slot}-{uuid.uuid4().hex[:12]}.bin"
+        # One file per slot, overwritten in place by the slot's next restore: writing into pages the
+        # slot dir holds already is about twice as fast on tmpfs as a new file (whose pages the
+        # kernel must allocate and zero; on some VMs first-touched pages cost ~10 us each, 300 ms
+        # for a 94 MB state). Kept only within --keep-restore-files, and never written by two
+        # restores at once.
+        name = f"{FILE_PREFIX}restore-{slot}.bin"
         path = self.slot_dir / name
-        try:
-            nbytes = await asyncio.to_thread(write_pieces, path, pieces)
-            t2 = time.perf_counter()
-            await self.client.restore_slot(slot, name)
-            t3 = time.perf_counter()
-        finally:
-            path.unlink(missing_ok=True)
+        kept = False
+        async with self._restore_locks.setdefault(slot, asyncio.Lock()):
+            try:
+                nbytes = await asyncio.to_thread(write_pieces, path, pieces, overwrite=True)
+                t2 = time.perf_counter()
+                await self.client.restore_slot(slot, name)
+                t3 = time.perf_counter()
+                others = sum(n for s, n in self._kept_files.items() if s != slot)
+                kept = others + nbytes <= self.settings.keep_restore_files
+            finally:
+                if kept:
+                    self._kept_files[slot] = nbytes
+                else:
+                    self._kept_files.pop(slot, None)
+                    path.unlink(missing_ok=True)
         phases = self.metrics.restore_phase_seconds
         phases.labels("assemble").observe(t1 - t0)
         phases.labels("write").observe(t2 - t1)
@@ -483,6 +498,12 @@ class KVEngine:
             keys = [k.encode() for k in event.get("keys", []) if isinstance(k, str) and k.startswith("kvtier:")]
             copied = await self.store.prefetch(keys[:4096])
             self.metrics.prewarmed.inc(copied)
+
+    def remove_kept_files(self) -> None:
+        """Remove the restore files kept for the next restores (at shutdown)."""
+        for slot in list(self._kept_files):
+            (self.slot_dir / f"{FILE_PREFIX}restore-{slot}.bin").unlink(missing_ok=True)
+        self._kept_files.clear()
 
     async def drain(self, timeout: float) -> bool:
         """Wait for pending saves (graceful shutdown)."""

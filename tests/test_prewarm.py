@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import pytest_asyncio
@@ -79,3 +79,20 @@ async def test_announced_chunks_are_copied_and_a_hop_restores_from_ram(pair: Pai
     assert on_c.prompt_n <= int(on_c.headers["X-KVTier-Prompt-Tokens"]) - on_c.restored + 1
     assert on_c.content == on_a.content
     await asyncio.gather(a.engine.drain(30), c.engine.drain(30))
+    # The restore file stays for the slot's next restore, which overwrites it in place.
+    kept = pair.llama_c.slot_dir / f"kvtier-restore-{on_c.headers['X-KVTier-Slot']}.bin"
+    assert kept.stat().st_size > on_c.restored * 1000
+
+
+async def test_restore_files_beyond_the_budget_are_removed(pair: Pair) -> None:
+    for f in pair.llama_c.slot_dir.glob("kvtier-restore-*.bin"):
+        f.unlink()
+    async with run_sidecar(replace(pair.c.settings, keep_restore_files=0, prewarm=False, node_id="c2")) as c2:
+        assert await c2.engine.ensure_ready()
+        await post(c2.url + "/completion", {"prompt": "Unrelated.", "n_predict": 1})  # the slot holds other tokens
+        await c2.engine.drain(30)
+        history = [{"role": "user", "content": "Which shelf holds jam?"}, {"role": "assistant", "content": "Shelf 0."}]
+        ans = await post(c2.url + "/v1/chat/completions", turn(history, "And honey?"))
+        assert ans.status == 200 and ans.restored > 0
+        assert list(pair.llama_c.slot_dir.glob("kvtier-restore-*.bin")) == []
+        await c2.engine.drain(30)

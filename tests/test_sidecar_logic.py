@@ -123,6 +123,11 @@ def test_settings_precedence_and_redaction(tmp_path: Path) -> None:
         load_settings([], env={})  # slot_dir is required
     with pytest.raises(ConfigError):
         load_settings(["--slot-dir", str(tmp_path), "--node-id", "bad id!"], env={})
+    for flag, bad in (("--local-tokenizer", "yes"), ("--local-tokenizer", ""), ("--keep-restore-files", "-1"),
+                      ("--keep-restore-files", "lots"), ("--keep-restore-files", "9" * 30)):
+        with pytest.raises(ConfigError):
+            load_settings(["--slot-dir", str(tmp_path), flag, bad], env={})
+    assert load_settings(["--slot-dir", str(tmp_path), "--keep-restore-files", "0"], env={}).keep_restore_files == 0
     assert isinstance(Settings(), Settings)
 
 

@@ -330,6 +330,21 @@ def test_state_pieces_written_are_the_assembled_file(tmp_path: Path, n_stream: i
     assert state_pieces(trans.chunks, lg.tokens, v_trans=False) is None
 
 
+def test_write_pieces_overwrites_in_place_and_refuses_links(tmp_path: Path) -> None:
+    path = tmp_path / "kept.bin"
+    assert write_pieces(path, [b"0123456789" * 10]) == 100
+    inode = path.stat().st_ino
+    assert write_pieces(path, [b"abc", memoryview(b"de")], overwrite=True) == 5
+    assert path.read_bytes() == b"abcde" and path.stat().st_ino == inode  # same file, cut to size
+    assert write_pieces(path, [b"x" * 300], overwrite=True) == 300 and path.read_bytes() == b"x" * 300
+    (tmp_path / "elsewhere").write_bytes(b"keep me")
+    link = tmp_path / "link.bin"
+    link.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(OSError):
+        write_pieces(link, [b"overwritten?"], overwrite=True)
+    assert (tmp_path / "elsewhere").read_bytes() == b"keep me"
+
+
 def test_write_pieces_removes_a_file_it_could_not_finish(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def full(fd: int, bufs: list[memoryview]) -> int:
         raise OSError(28, "No space left on device")
