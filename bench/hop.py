@@ -309,6 +309,10 @@ async def move_sessions(redis_url: str, sizes: Sequence[int] = (4096,), reps: in
                     saved, save_wall = await post_json(s, f"{a.sidecar_url}/v1/sessions/{sid}", {"slot": 0},
                                                        method="PUT")
                     held = (await manifest(redis_url, sid))["tokens"]
+                    # C's own copy of the session: B's hop saves the conversation under ``sid`` again,
+                    # longer by the new tokens, and a session longer than the prompt is not restored.
+                    sid_c = f"{sid}-c"
+                    await post_json(s, f"{a.sidecar_url}/v1/sessions/{sid_c}", {"slot": 0}, method="PUT")
                     run: dict[str, Any] = {"save_ms": saved["ms"], "save_wall_ms": round(save_wall, 2),
                                            "session_tokens": saved["tokens"], "session_bytes": saved["bytes"]}
                     await reset_slot(s, b.sidecar_url)
@@ -328,7 +332,7 @@ async def move_sessions(redis_url: str, sizes: Sequence[int] = (4096,), reps: in
                     await reset_slot(s, c.sidecar_url)
                     await wait_idle(s, bases)
                     before = await scrape(s, c.sidecar_url)
-                    reply = await complete(s, c.sidecar_url, [*held, *extra], 1, {"X-Session-Id": sid})
+                    reply = await complete(s, c.sidecar_url, [*held, *extra], 1, {"X-Session-Id": sid_c})
                     after = await scrape(s, c.sidecar_url)
                     run["prewarmed_hop"] = reply.row(
                         restore_ms=round(1000 * delta(after, before, "kvtier_restore_seconds_sum"), 2),
