@@ -22,7 +22,7 @@ from integrations.llama_server import LlamaServerError, Timings
 from tiers.sessions import validate_session_id
 
 from .appkeys import ENGINE, HTTP, METRICS, SETTINGS
-from .middlewares import json_error
+from .middlewares import json_error, request_id
 
 log = logging.getLogger("kvtier.proxy")
 
@@ -77,6 +77,9 @@ async def _relay(request: web.Request, body: bytes, extra_headers: Mapping[str, 
                                                             "type": "bad_gateway"}}),
                                  content_type="application/json") from None
     out.status = upstream.status
+    rid = request_id.get()
+    if rid:  # the middleware cannot add it to a response that is sent from here
+        extra_headers = {**extra_headers, "X-Request-Id": rid}
     try:
         length = upstream.content_length
         if not _is_stream(upstream) and length is not None and length <= MAX_CAPTURE:
@@ -89,6 +92,9 @@ async def _relay(request: web.Request, body: bytes, extra_headers: Mapping[str, 
             whole = web.Response(status=upstream.status, reason=upstream.reason, body=body,
                                  headers=_forward_headers(upstream.headers))
             whole.headers.update(extra_headers)
+            # Sent here, so that the caller's bookkeeping (timings, the slot save) comes after it.
+            await whole.prepare(request)
+            await whole.write_eof()
             return whole
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         response.headers.update(_forward_headers(upstream.headers))

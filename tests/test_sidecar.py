@@ -115,11 +115,14 @@ async def test_streaming_and_completion_endpoints(cluster: Cluster) -> None:
     prompt = DOC + "\nQuestion: how many marbles does box 12 hold?\nAnswer:"
     body = {"prompt": prompt, "n_predict": 10, "temperature": 0}
     expected = (await post(c.direct.url + "/completion", body)).body["content"]
-    first = await post(c.a.url + "/completion", body)
+    first = await post(c.a.url + "/completion", body, headers={"X-Request-Id": "turn-1"})
     assert first.status == 200 and first.content == expected
+    # As docs/api.md says, on whole and streamed answers alike (header names are case-insensitive).
+    assert {k.lower(): v for k, v in first.headers.items()}["x-request-id"] == "turn-1"
     await settle(c.a)
     status, events, headers = await post_stream(c.b.url + "/completion", body)
     assert status == 200 and events[-1]["stop"] is True
+    assert len({k.lower(): v for k, v in headers.items()}["x-request-id"]) == 16
     assert stream_text(events) == expected
     assert int(headers["X-KVTier-Restored-Tokens"]) > 0
     # A prompt no slot has seen, so both sides compute it in the same batches (llama.cpp's numerics
