@@ -3,7 +3,8 @@
     kvtier bench overhead                          # 40 pairs per kind, a minute or two
     kvtier bench overhead --reps 200 --prompt-tokens 2048
 
-One llama-server (``-np 1``), its kvtier sidecar and an embedded Valkey. The slot holds a prompt
+Two llama-servers (``-np 1``, same flags), a kvtier sidecar in front of the first, and an embedded
+Valkey; direct requests go to the second, so the two paths never share a slot. Each slot holds a prompt
 of ``--prompt-tokens``; each pair of requests adds a new short tail to it (the next question of a
 conversation: nothing to restore, a few new tokens to compute, text the sidecar has not seen), and
 sends the same request straight to llama-server and through the sidecar, in alternating order,
@@ -115,8 +116,13 @@ async def measure(prompt_tokens: int, reps: int, threads: int, redis_url: str,
     ctx = (prompt_tokens + 512) // 256 * 256
     out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "reps": reps, "fresh_tails": True, "kinds": {}}
     task = prog.add_task("overhead: starting llama-server + sidecar", total=reps * (len(KINDS) * 2 + 1)) if prog else None
-    with cluster(1, base_llama_args(ctx, threads), sidecar=True, redis_url=redis_url) as cl:
-        node = cl.nodes[0]
+    with cluster(2, base_llama_args(ctx, threads), sidecar=True, redis_url=redis_url) as cl:
+        # The direct path has a llama-server of its own (same binary, model and flags): sharing one
+        # would have every direct request change the sidecar's slot behind its back, and the
+        # sidecar read the slot again (a slot save) while it measures.
+        node, alone = cl.nodes
+        if alone.sidecar is not None:
+            alone.sidecar.stop()
         async with client_session(keep_alive=True) as s:
             tokens = await exact_tokens(s, node.llama_url, prompt_tokens, seed=77)
             text = (await _detokenize(s, node.llama_url, tokens)).strip()
@@ -124,8 +130,10 @@ async def measure(prompt_tokens: int, reps: int, threads: int, redis_url: str,
             tail_ids = [await _tokenize(s, node.llama_url, t) for t in tails["tokens"]]
             for kind in KINDS:
                 path, body = request_for(kind, tokens, text)
-                # Warm-up through the sidecar: the slot then holds the prompt, and the sidecar knows it.
+                # Warm-up through the sidecar (the slot then holds the prompt, and the sidecar knows it)
+                # and on the direct path's own llama-server.
                 await timed_post(s, node.sidecar_url + path, body)
+                await timed_post(s, alone.llama_url + path, body)
                 await wait_idle(s, [node.sidecar_url])
                 direct: list[float] = []
                 side: list[float] = []
@@ -139,7 +147,7 @@ async def measure(prompt_tokens: int, reps: int, threads: int, redis_url: str,
                     order = ("direct", "sidecar") if i % 2 == 0 else ("sidecar", "direct")
                     path, body = request_for(kind, tokens, text, tails[kind][i], tail_ids[i])
                     for which in order:
-                        base = node.llama_url if which == "direct" else node.sidecar_url
+                        base = alone.llama_url if which == "direct" else node.sidecar_url
                         ms, data = await timed_post(s, base + path, body)
                         (direct if which == "direct" else side).append(ms)
                         timings = data.get("timings", {})
