@@ -114,7 +114,8 @@ def histogram_quantile(before: Samples, after: Samples, name: str, q: float) -> 
 async def measure(prompt_tokens: int, reps: int, threads: int, redis_url: str,
                   prog: Progress | None = None) -> dict[str, Any]:
     ctx = (prompt_tokens + 512) // 256 * 256
-    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "reps": reps, "fresh_tails": True, "kinds": {}}
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "reps": reps, "fresh_tails": True,
+                           "direct_server": "own", "kinds": {}}
     task = prog.add_task("overhead: starting llama-server + sidecar", total=reps * (len(KINDS) * 2 + 1)) if prog else None
     with cluster(2, base_llama_args(ctx, threads), sidecar=True, redis_url=redis_url) as cl:
         # The direct path has a llama-server of its own (same binary, model and flags): sharing one

@@ -570,10 +570,16 @@ def render_markdown(report: dict[str, Any], other: dict[str, Any], images: dict[
 
 
 def _reruns(report: dict[str, Any]) -> str:
-    """", then X re-run at T (N minutes)" for scenarios re-run with ``--merge``."""
-    return "".join(f"; {', '.join(r['scenarios'])} re-run on {r['started']} ({r['minutes']} minutes, "
-                   f"load average {' / '.join(map(str, r.get('machine', {}).get('load_avg', [])))})"
-                   for r in report.get("reruns", []))
+    """", then X re-run at T (N minutes)" for scenarios re-run with ``--merge``; a run whose
+    scenarios were all re-run again later is marked superseded (the page shows the last one)."""
+    runs = report.get("reruns", [])
+    out = []
+    for i, r in enumerate(runs):
+        later = {sc for after in runs[i + 1:] for sc in after["scenarios"]}
+        gone = " (superseded)" if set(r["scenarios"]) <= later else ""
+        out.append(f"; {', '.join(r['scenarios'])} re-run on {r['started']} ({r['minutes']} minutes, "
+                   f"load average {' / '.join(map(str, r.get('machine', {}).get('load_avg', [])))}){gone}")
+    return "".join(out)
 
 
 def _md_memory(mem: list[dict[str, Any]], images: dict[str, str], md_dir: Path) -> str:
@@ -786,6 +792,8 @@ def _md_others(other: dict[str, Any]) -> str:
 
         tails = ("each pair adds a new short tail (the next question: text the sidecar has not seen)"
                  if ov.get("fresh_tails") else "the same request every time")
+        if ov.get("direct_server") == "own":
+            tails += "; direct requests go to a second llama-server with the same flags (no shared slot)"
         out.append(f"\n### `kvtier bench overhead`\n\n{ov['prompt_tokens']}-token prompt already in the slot, "
                    f"{tails}, n_predict 1, {ov['reps']} alternating pairs per kind (load average "
                    f"{ov['machine'].get('load_avg')}). *Outside llama-server's compute*: each request's wall time "
