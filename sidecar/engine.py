@@ -161,10 +161,11 @@ class KVEngine:
             raise LlamaServerError("could not learn the KV layout from a saved slot")
         ns = Namespace(layout_fingerprint(model_id, layout), chunk_tokens=self.settings.chunk_tokens)
         n_ctx = int(props.get("default_generation_settings", {}).get("n_ctx") or 0)
+        await self.prompts.setup(props, self.settings.model or model_path)
+        # No await from here on: a request that finds the target set must find the new slot table.
         self.target = Target(n_slots, n_stream or 1, bool(layout_state.v_trans), model_id, ns,
                              layout.bytes_per_token, n_ctx)
         self._server_signature = _signature(props)
-        await self.prompts.setup(props, self.settings.model or model_path)
         self.slots = table
         log.info("llama-server: %d slots, n_stream %d, v_trans %s, %d bytes/token, namespace %s",
                  n_slots, self.target.n_stream, self.target.v_trans, layout.bytes_per_token, ns.id)
