@@ -92,9 +92,9 @@ async def _relay(request: web.Request, body: bytes, extra_headers: Mapping[str, 
             whole = web.Response(status=upstream.status, reason=upstream.reason, body=body,
                                  headers=_forward_headers(upstream.headers))
             whole.headers.update(extra_headers)
-            # Sent here, so that the caller's bookkeeping (timings, the slot save) comes after it.
-            await whole.prepare(request)
-            await whole.write_eof()
+            # Sent by aiohttp once the handler returns: after the caller has registered the slot
+            # save (which itself waits SAVE_DELAY_S), so that a client that has its answer never
+            # sees the sidecar idle while that save is still to come.
             return whole
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         response.headers.update(_forward_headers(upstream.headers))
