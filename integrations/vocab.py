@@ -30,10 +30,7 @@ class VocabUnavailable(RuntimeError):
 
 
 class Vocab:
-    """The vocabulary of one GGUF.
-
-    ``tokenize`` belongs to one thread (the event loop); ``tokenize_whole`` may run in any.
-    """
+    """The vocabulary of one GGUF; safe to use from several threads."""
 
     def __init__(self, path: str, cache_bytes: int = CACHE_BYTES):
         try:
@@ -62,6 +59,7 @@ class Vocab:
         self._pieces: OrderedDict[bytes, np.ndarray] = OrderedDict()
         self._cached_bytes = 0
         self._cache_limit = cache_bytes
+        self._cache_lock = threading.Lock()
 
     def _special_tokens(self) -> list[tuple[bytes, int, bool, bool]]:
         """(text, id, lstrip, rstrip) of every token llama.cpp cuts a text at, longest first."""
@@ -129,17 +127,20 @@ class Vocab:
         return pieces
 
     def _piece_tokens(self, piece: bytes) -> np.ndarray:
-        tokens = self._pieces.get(piece)
-        if tokens is not None:
-            self._pieces.move_to_end(piece)
-            return tokens
+        with self._cache_lock:
+            tokens = self._pieces.get(piece)
+            if tokens is not None:
+                self._pieces.move_to_end(piece)
+                return tokens
         tokens = self._tokenize_bytes(piece, False)
         if len(piece) <= self._cache_limit // 4:
-            self._pieces[piece] = tokens
-            self._cached_bytes += len(piece)
-            while self._cached_bytes > self._cache_limit:
-                old, _ = self._pieces.popitem(last=False)
-                self._cached_bytes -= len(old)
+            with self._cache_lock:
+                if piece not in self._pieces:
+                    self._pieces[piece] = tokens
+                    self._cached_bytes += len(piece)
+                while self._cached_bytes > self._cache_limit:
+                    old, _ = self._pieces.popitem(last=False)
+                    self._cached_bytes -= len(old)
         return tokens
 
     def _tokenize_bytes(self, data: bytes, add_special: bool) -> np.ndarray:
@@ -161,7 +162,9 @@ class Vocab:
         if self._model is not None:
             self._ll.llama_model_free(self._model)
             self._model = None
-        self._pieces.clear()
+        with self._cache_lock:
+            self._pieces.clear()
+            self._cached_bytes = 0
 
 
 _backend_lock = threading.Lock()

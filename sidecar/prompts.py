@@ -46,7 +46,8 @@ SERVER_RENDERED = frozenset({
     "reasoning_effort",
 })
 ROLES = frozenset({"system", "user", "assistant"})
-THREAD_TOKENIZE_CHARS = 256 << 10  # longer texts are tokenized off the event loop
+# Longer texts are tokenized off the event loop: ~16K characters of new text take ~6 ms here.
+THREAD_TOKENIZE_CHARS = 16 << 10
 SAMPLE_TEXT = ("kvtier's check: Hello, World!  3.14159 == 22/7?\n\n\tünïcödé, 日本語, emoji 🙂 "
                "<|im_start|>user\n<s>[INST] </s> <|endoftext|>  trailing  ")
 SAMPLE_CHAT = [
@@ -249,7 +250,7 @@ class PromptTokens:
             return None
         try:
             if len(text) > THREAD_TOKENIZE_CHARS:
-                return await asyncio.to_thread(vocab.tokenize_whole, text)
+                return await asyncio.to_thread(vocab.tokenize, text)
             return vocab.tokenize(text)
         except UnicodeEncodeError:  # lone surrogates: llama-server decides what they mean
             return None

@@ -30,7 +30,8 @@ from tests.sidecars import Sidecar, post, run_sidecar
 pytestmark = pytest.mark.llama
 
 TEXTS = ["hello", " leading space", "a\r\nb\n\n\n c", "ünïcödé 🙂 日本語 𝔘", "<|im_start|>user\nhi<|im_end|>\n",
-         "<|im_start|>", "1234567890 3.14159", "nul \x00 byte", "   ", "\t\ttabs\t", "x" * 3000, "The red box number 7 holds marbles."]
+         "<|im_start|>", "1234567890 3.14159", "nul \x00 byte", "   ", "\t\ttabs\t", "x" * 3000, "The red box number 7 holds marbles.",
+         "<|im_start|>user\n" + "The red box number 7 holds marbles. " * 600]  # the last, over 16K: tokenized in a thread
 PLAIN_CHATS = [
     [{"role": "user", "content": "hi"}],
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour.\n"}],
