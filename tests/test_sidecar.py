@@ -276,7 +276,11 @@ async def test_llama_server_restart_rebuilds_slot_table(cluster: Cluster) -> Non
             break
     assert not any(s.tokens.size for s in c.a.engine.slots.slots)
     ans = await post(c.a.url + "/completion", body)
-    assert ans.status == 200 and ans.content == expected and ans.restored > 0
+    why = {k: v for k, v in ans.headers.items() if k.startswith("X-KVTier")}, {
+        name: c.a.metric(name, **labels) for name, labels in (
+            ("kvtier_cost_decisions_total", {"decision": "recompute"}), ("kvtier_cache_errors_total", {"stage": "restore"}),
+            ("kvtier_requests_total", {"path": "completion", "outcome": "passthrough"}))}
+    assert ans.status == 200 and ans.content == expected and ans.restored > 0, why
 
 
 async def test_a_slot_used_behind_kvtiers_back_is_read_again(cluster: Cluster) -> None:
