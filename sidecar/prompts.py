@@ -254,6 +254,9 @@ class PromptTokens:
             return vocab.tokenize(text)
         except UnicodeEncodeError:  # lone surrogates: llama-server decides what they mean
             return None
+        except (VocabUnavailable, RuntimeError) as exc:  # closed (shutting down) or refused: ask the server
+            log.debug("not tokenized here: %s", exc)
+            return None
 
     def check(self, prompt: Prompt | None, saved: np.ndarray) -> None:
         """Compare what kvtier computed with the tokens llama-server saved for the same request."""

@@ -123,6 +123,12 @@ async def test_piece_cache_tokenizes_like_one_llama_cpp_call(node: Node) -> None
         assert 0 < small._cached_bytes <= 2000
     finally:
         small.close()
+    # A closed vocabulary (kvtier shutting down) makes the prompt llama-server's to tokenize.
+    prompts = PromptTokens(node.sidecar.engine.client, node.sidecar.engine.metrics)
+    prompts.vocab = small
+    prompt = await prompts.prompt_for("completion", {"prompt": "hello there"})
+    assert prompt is not None and not prompt.tokenized_here
+    assert np.array_equal(prompt.tokens, vocab.tokenize("hello there"))
 
 
 async def test_requests_use_in_process_prompts_and_their_checks_pass(node: Node) -> None:
