@@ -340,7 +340,7 @@ class KVEngine:
         """Assemble ``payloads`` into a state file and have llama-server restore it into ``slot``.
 
         Returns the file's size and the seconds from payloads to restored slot (the cost model's
-        restore rate: everything but the fetch).
+        restore rate: everything but the fetch, and but a wait in llama-server's task queue).
         """
         assert self.target is not None
         t0 = time.perf_counter()
@@ -361,7 +361,7 @@ class KVEngine:
             try:
                 nbytes = await asyncio.to_thread(write_pieces, path, pieces, overwrite=True)
                 t2 = time.perf_counter()
-                await self.client.restore_slot(slot, name)
+                action = await self.client.restore_slot(slot, name)
                 t3 = time.perf_counter()
                 others = sum(n for s, n in self._kept_files.items() if s != slot)
                 kept = others + nbytes <= self.settings.keep_restore_files
@@ -375,7 +375,11 @@ class KVEngine:
         phases.labels("assemble").observe(t1 - t0)
         phases.labels("write").observe(t2 - t1)
         phases.labels("llama").observe(t3 - t2)
-        return nbytes, t3 - t0
+        # The cost model learns the restore's own time: llama-server's restore_ms, not the wait in
+        # its queue behind other slots' work (seconds under load, which would teach it that
+        # restoring is slow and make it stop restoring).
+        llama_s = action.ms / 1000 if action.ms > 0 else t3 - t2
+        return nbytes, (t2 - t0) + min(llama_s, t3 - t2)
 
     # -- after the request ----------------------------------------------------------------------
 
