@@ -340,7 +340,7 @@ class KVEngine:
         """Assemble ``payloads`` into a state file and have llama-server restore it into ``slot``.
 
         Returns the file's size and the seconds from payloads to restored slot (the cost model's
-        restore rate: everything but the fetch, and but a wait in llama-server's task queue).
+        restore rate: everything but the fetch and any wait in llama-server's task queue).
         """
         assert self.target is not None
         t0 = time.perf_counter()
