@@ -35,7 +35,7 @@ class Pair:
 async def pair(redis_srv: RedisProc, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Pair]:
     tmp = tmp_path_factory.mktemp("prewarm")
     with llama_server(tmp, *EXACT) as la, llama_server(tmp, *EXACT) as lc:
-        common = dict(redis_url=redis_srv.url, chunk_tokens=CHUNK, prefill_tps_prior=100.0)
+        common = {"redis_url": redis_srv.url, "chunk_tokens": CHUNK, "prefill_tps_prior": 100.0}
         async with run_sidecar(Settings(llama_url=la.url, slot_dir=str(la.slot_dir), node_id="a", **common)) as a, \
                 run_sidecar(Settings(llama_url=lc.url, slot_dir=str(lc.slot_dir), node_id="c", prewarm=True,
                                      **common)) as c:
