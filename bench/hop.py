@@ -296,10 +296,11 @@ async def move_sessions(redis_url: str, sizes: Sequence[int] = (4096,), reps: in
                 tokens = await exact_tokens(s, a.llama_url, n, seed=300 + n)
                 extra = await exact_tokens(s, a.llama_url, new_tokens, seed=99)
                 known = await redis_keys(redis_url, "kvtier:*:c:*")
+                prewarmed_before = metric(await scrape(s, c.sidecar_url), "kvtier_prewarmed_chunks_total")
                 build = await complete(s, a.sidecar_url, tokens, 1)
                 await wait_idle(s, bases)
                 chunk_keys = sorted(await redis_keys(redis_url, "kvtier:*:c:*") - known)
-                await wait_prewarmed(s, c.sidecar_url, len(chunk_keys))
+                await wait_prewarmed(s, c.sidecar_url, prewarmed_before + len(chunk_keys))
                 if prog and task is not None:
                     prog.advance(task)
                 runs: list[dict[str, Any]] = []
@@ -320,24 +321,17 @@ async def move_sessions(redis_url: str, sizes: Sequence[int] = (4096,), reps: in
                     restored, wall = await post_json(s, f"{b.sidecar_url}/v1/sessions/{sid}/restore", {"slot": 0})
                     run["api_restore"] = {"ms": restored["ms"], "wall_ms": round(wall, 2), "tier": restored["tier"],
                                           "tokens": restored["n_restored"]}
-                    for kind, headers in (("session_hop", {"X-Session-Id": sid}), ("automatic_hop", None)):
-                        await reset_slot(s, b.sidecar_url)
+                    for kind, base, headers in (("session_hop", b.sidecar_url, {"X-Session-Id": sid}),
+                                                ("automatic_hop", b.sidecar_url, None),
+                                                ("prewarmed_hop", c.sidecar_url, {"X-Session-Id": sid_c})):
+                        await reset_slot(s, base)
                         await wait_idle(s, bases)
-                        before = await scrape(s, b.sidecar_url)
-                        reply = await complete(s, b.sidecar_url, [*held, *extra], 1, headers)
-                        after = await scrape(s, b.sidecar_url)
+                        before = await scrape(s, base)
+                        reply = await complete(s, base, [*held, *extra], 1, headers)
+                        after = await scrape(s, base)
                         run[kind] = reply.row(restore_ms=round(1000 * delta(after, before, "kvtier_restore_seconds_sum"), 2),
                                               phases_ms=restore_phases(after, before))
                         await wait_idle(s, bases)
-                    await reset_slot(s, c.sidecar_url)
-                    await wait_idle(s, bases)
-                    before = await scrape(s, c.sidecar_url)
-                    reply = await complete(s, c.sidecar_url, [*held, *extra], 1, {"X-Session-Id": sid_c})
-                    after = await scrape(s, c.sidecar_url)
-                    run["prewarmed_hop"] = reply.row(
-                        restore_ms=round(1000 * delta(after, before, "kvtier_restore_seconds_sum"), 2),
-                        phases_ms=restore_phases(after, before))
-                    await wait_idle(s, bases)
                     tail_keys = sorted(await redis_keys(redis_url, f"kvtier:*:t:{sid}"))
                     get_ms, get_bytes = await pipelined_get_ms(redis_url, [*chunk_keys, *tail_keys])
                     floor = await slot_restore_floor(s, a, b, repeat=1)
@@ -362,20 +356,15 @@ async def move_sessions(redis_url: str, sizes: Sequence[int] = (4096,), reps: in
 RESTORE_PHASES = ("fetch", "assemble", "write", "llama")
 
 
-async def wait_prewarmed(s: aiohttp.ClientSession, base: str, n_chunks: int, timeout: float = 60.0) -> None:
-    """Wait until the sidecar at ``base`` has copied ``n_chunks`` more chunks from its peers' events
-    than when last asked (a user's next turn comes seconds later; the copy takes milliseconds)."""
+async def wait_prewarmed(s: aiohttp.ClientSession, base: str, goal: float, timeout: float = 60.0) -> None:
+    """Wait until the sidecar at ``base`` has copied ``goal`` chunks in all from its peers' events
+    (a user's next turn comes seconds later; the copy takes milliseconds)."""
     t0 = time.perf_counter()
-    goal = _prewarm_goal.get(base, 0.0) + n_chunks
     while time.perf_counter() - t0 < timeout:
         if metric(await scrape(s, base), "kvtier_prewarmed_chunks_total") >= goal:
-            _prewarm_goal[base] = goal
             return
         await asyncio.sleep(0.2)
-    raise RuntimeError(f"{base} did not prewarm {n_chunks} chunks in {timeout:.0f} s")
-
-
-_prewarm_goal: dict[str, float] = {}
+    raise RuntimeError(f"{base} did not prewarm {goal:.0f} chunks in {timeout:.0f} s")
 
 
 def restore_phases(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
