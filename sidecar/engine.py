@@ -205,13 +205,13 @@ class KVEngine:
         """The prompt tokens the server will see, or None when this request is not cacheable."""
         return await self.prompts.prompt_for(kind, body)
 
-    async def prepare(self, tokens: np.ndarray | Prompt, *, want_slot: int | None = None, salt: str = "",
+    async def prepare(self, prompt: Prompt, *, want_slot: int | None = None, salt: str = "",
                       timeout: float | None = None, session_id: str | None = None,
                       since: float | None = None) -> RequestPlan:
-        """Take a slot for ``tokens`` and restore the longest worthwhile prefix into it.
+        """Take a slot for ``prompt``'s tokens and restore the longest worthwhile prefix into it.
 
         Args:
-            tokens: the prompt's tokens, or a ``Prompt`` (checked after the answer).
+            prompt: the request's tokens (what kvtier computed of them is checked after the answer).
             since: ``perf_counter()`` when the request's own work began (counted as overhead).
             salt: the tenant; it salts the namespace and only its own slots count as cached.
             session_id: restore this session first when it is a prefix of ``tokens`` (and save
@@ -219,9 +219,7 @@ class KVEngine:
         """
         assert self.target is not None and self.slots is not None
         t0 = time.perf_counter() if since is None else since
-        prompt = tokens if isinstance(tokens, Prompt) else None
-        if isinstance(tokens, Prompt):
-            tokens = tokens.tokens
+        tokens = prompt.tokens
         self.metrics.slot_queue.set(self.slots.queue_depth + 1)
         lease = await self.slots.acquire(tokens, want=want_slot, timeout=timeout, owner=salt)
         self.metrics.slot_queue.set(self.slots.queue_depth)

@@ -77,9 +77,6 @@ async def _relay(request: web.Request, body: bytes, extra_headers: Mapping[str, 
                                                             "type": "bad_gateway"}}),
                                  content_type="application/json") from None
     out.status = upstream.status
-    rid = request_id.get()
-    if rid:  # the middleware cannot add it to a response that is sent from here
-        extra_headers = {**extra_headers, "X-Request-Id": rid}
     try:
         length = upstream.content_length
         if not _is_stream(upstream) and length is not None and length <= MAX_CAPTURE:
@@ -99,6 +96,8 @@ async def _relay(request: web.Request, body: bytes, extra_headers: Mapping[str, 
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
         response.headers.update(_forward_headers(upstream.headers))
         response.headers.update(extra_headers)
+        if request_id.get():  # prepared here, so the middleware cannot add it
+            response.headers["X-Request-Id"] = request_id.get()
         await response.prepare(request)
         limit = TAIL_BYTES if _is_stream(upstream) else MAX_CAPTURE
         async for piece in upstream.content.iter_any():
