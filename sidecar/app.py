@@ -19,15 +19,15 @@ from tiers.codec import BlobCodec
 from tiers.memory import MemoryTier
 from tiers.store import TieredStore
 
-from .appkeys import ENGINE, HTTP, METRICS, REDIS, SETTINGS, STORE
+from .appkeys import ENGINE, METRICS, REDIS, SETTINGS, STORE, UPSTREAM
 from .config import Settings
 from .engine import KVEngine
 from .metrics import Metrics
-from .middlewares import auth_middleware, error_middleware, json_error, request_id_middleware
+from .middlewares import front_middleware, json_error
 from .openapi import openapi_handler
 from .proxy import COMPLETION_KINDS, handle_completion, passthrough
 from .sessions_api import ROUTES as SESSION_ROUTES
-from .sessions_api import sessions_errors
+from .upstream import Upstream
 
 log = logging.getLogger("kvtier.app")
 
@@ -63,20 +63,20 @@ def _remove_stale_files(slot_dir: str) -> None:
 async def _resources(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     _remove_stale_files(settings.slot_dir or ".")
+    # kvtier's own calls (slot actions, tokenize, props) go through aiohttp; relayed requests
+    # through the leaner Upstream. llama-server drops idle keep-alive connections after 5 s;
+    # reusing one it dropped fails the request, so kvtier lets them go first.
     session = aiohttp.ClientSession(
-        auto_decompress=False,  # relay bytes unchanged, encoding included
-        # A proxy keeps no cookies: one client's would be sent with every other client's requests.
         cookie_jar=aiohttp.DummyCookieJar(),
         timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=None),
-        # llama-server drops idle keep-alive connections after 5 s; reusing one it dropped fails
-        # the request (ServerDisconnectedError), so kvtier lets them go first.
         connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S, limit=256),
     )
+    upstream = Upstream(settings.llama_url, keepalive_s=KEEPALIVE_S)
     store, redis = build_store(settings)
     metrics = app[METRICS]
     metrics.attach_store(store)
     engine = KVEngine(settings, LlamaServerClient(settings.llama_url, session), store, metrics, events=redis)
-    app[HTTP] = session
+    app[UPSTREAM] = upstream
     app[STORE] = store
     app[REDIS] = redis
     app[ENGINE] = engine
@@ -95,6 +95,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         engine.prompts.close()
         engine.remove_kept_files()
         await store.aclose(drain_timeout=settings.shutdown_timeout)
+        upstream.close()
         await session.close()
 
 
@@ -185,9 +186,8 @@ async def catch_all(request: web.Request) -> web.StreamResponse:
 
 def create_app(settings: Settings) -> web.Application:
     """The sidecar: KV flow on completion routes, health/metrics, everything else passed through."""
-    middlewares = [request_id_middleware, error_middleware, auth_middleware(settings.auth_token, settings.auth_all),
-                   sessions_errors]
-    app = web.Application(middlewares=middlewares, client_max_size=settings.max_body)
+    app = web.Application(middlewares=[front_middleware(settings.auth_token, settings.auth_all)],
+                          client_max_size=settings.max_body)
     app[SETTINGS] = settings
     app[METRICS] = Metrics()
     app.cleanup_ctx.append(_resources)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import aiohttp
 from aiohttp import web
 
 from tiers.store import TieredStore
@@ -10,10 +9,11 @@ from tiers.store import TieredStore
 from .config import Settings
 from .engine import KVEngine
 from .metrics import Metrics
+from .upstream import Upstream
 
 SETTINGS = web.AppKey("settings", Settings)
 METRICS = web.AppKey("metrics", Metrics)
-HTTP = web.AppKey("http", aiohttp.ClientSession)
+UPSTREAM = web.AppKey("upstream", Upstream)  # relays requests to llama-server
 STORE = web.AppKey("store", TieredStore)
 ENGINE = web.AppKey("engine", KVEngine)
 REDIS = web.AppKey("redis", object)  # RedisTier or None

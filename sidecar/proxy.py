@@ -18,17 +18,18 @@ import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
-from integrations.llama_server import LlamaServerError, Timings
+from integrations.llama_server import LlamaServerError
 from tiers.sessions import validate_session_id
 
-from .appkeys import ENGINE, HTTP, METRICS, SETTINGS
+from .appkeys import ENGINE, METRICS, UPSTREAM
 from .middlewares import json_error, request_id
+from .upstream import UpstreamError, UpstreamResponse
 
 log = logging.getLogger("kvtier.proxy")
 
 HOP_BY_HOP = {
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
-    "transfer-encoding", "upgrade", "host", "content-length",
+    "transfer-encoding", "upgrade", "host", "content-length", "expect",
 }
 COMPLETION_KINDS = {"/completion": "completion", "/completions": "completion", "/v1/completions": "completion",
                     "/v1/chat/completions": "chat", "/chat/completions": "chat"}
@@ -36,12 +37,9 @@ TAIL_BYTES = 64 * 1024  # enough of a stream's end to find its final timings
 MAX_CAPTURE = 16 << 20  # non-streaming answers are parsed for timings up to this size
 
 
-def _forward_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
-    out: CIMultiDict[str] = CIMultiDict()
-    for k, v in headers.items():
-        if k.lower() not in HOP_BY_HOP and not k.lower().startswith("x-kvtier-"):
-            out.add(k, v)
-    return out
+def _forward_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
+    return [(k, v) for k, v in headers.items()
+            if (low := k.lower()) not in HOP_BY_HOP and not low.startswith("x-kvtier-")]
 
 
 @dataclass(slots=True)
@@ -65,17 +63,14 @@ async def passthrough(request: web.Request, body: bytes | None = None) -> web.St
 async def _relay(request: web.Request, body: bytes, extra_headers: Mapping[str, str], out: Relay,
                  capture: bool = False) -> web.StreamResponse:
     """Send ``body`` upstream and stream the answer back, recording the outcome in ``out``."""
-    settings = request.app[SETTINGS]
-    url = settings.llama_url.rstrip("/") + request.rel_url.path_qs
-    session = request.app[HTTP]
     try:
-        upstream = await session.request(request.method, url, data=body,
-                                         headers=_forward_headers(request.headers))
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        upstream = await request.app[UPSTREAM].request(request.method, request.raw_path,
+                                                        _forward_headers(request.headers), body)
+    except ValueError as exc:  # nothing llama-server could be sent
+        return json_error(400, f"request not forwardable: {exc}")
+    except (UpstreamError, asyncio.TimeoutError, OSError) as exc:
         log.warning("llama-server unreachable: %s", exc)
-        raise web.HTTPBadGateway(text=json.dumps({"error": {"code": 502, "message": "llama-server unreachable",
-                                                            "type": "bad_gateway"}}),
-                                 content_type="application/json") from None
+        return json_error(502, "llama-server unreachable", "bad_gateway")
     out.status = upstream.status
     try:
         length = upstream.content_length
@@ -87,20 +82,20 @@ async def _relay(request: web.Request, body: bytes, extra_headers: Mapping[str, 
             if capture:
                 out.tail += body
             whole = web.Response(status=upstream.status, reason=upstream.reason, body=body,
-                                 headers=_forward_headers(upstream.headers))
+                                 headers=CIMultiDict(_forward_headers(upstream.headers)))
             whole.headers.update(extra_headers)
             # Sent by aiohttp once the handler returns: after the caller has registered the slot
             # save (which itself waits SAVE_DELAY_S), so that a client that has its answer never
             # sees the sidecar idle while that save is still to come.
             return whole
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-        response.headers.update(_forward_headers(upstream.headers))
+        response.headers.extend(_forward_headers(upstream.headers))
         response.headers.update(extra_headers)
         if request_id.get():  # prepared here, so the middleware cannot add it
             response.headers["X-Request-Id"] = request_id.get()
         await response.prepare(request)
         limit = TAIL_BYTES if _is_stream(upstream) else MAX_CAPTURE
-        async for piece in upstream.content.iter_any():
+        async for piece in upstream.iter_any():
             await response.write(piece)
             if capture:
                 out.tail += piece
@@ -112,33 +107,18 @@ async def _relay(request: web.Request, body: bytes, extra_headers: Mapping[str, 
         # The client went away: closing upstream makes llama-server stop generating.
         upstream.close()
         raise
+    except UpstreamError as exc:
+        # Cut short by llama-server: the client's connection is closed too (a clean end would
+        # pass a truncated answer off as whole).
+        log.warning("llama-server's answer broke off: %s", exc)
+        raise
     finally:
         upstream.release()
     return response
 
 
-def _is_stream(resp: aiohttp.ClientResponse) -> bool:
+def _is_stream(resp: UpstreamResponse) -> bool:
     return resp.headers.get("Content-Type", "").startswith("text/event-stream")
-
-
-def timings_from(tail: bytes) -> Timings | None:
-    """The ``timings`` object of a completion's answer (plain JSON or the last SSE events)."""
-    text = tail.decode("utf-8", errors="replace")
-    candidates: list[str] = []
-    stripped = text.strip()
-    if stripped.startswith("{"):
-        candidates.append(stripped)
-    candidates += [line[5:].strip() for line in reversed(text.splitlines()) if line.startswith("data:")]
-    for candidate in candidates:
-        if '"timings"' not in candidate:
-            continue
-        try:
-            data = json.loads(candidate)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(data, dict):
-            return Timings.from_json(data.get("timings"))
-    return None
 
 
 async def handle_completion(request: web.Request) -> web.StreamResponse:
@@ -190,7 +170,7 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
     finally:
         # Saved when llama-server finished its answer, even if the client (or a shutdown) cut the
         # last bytes short: the slot then holds a complete, valid state.
-        engine.finish(plan, ok=relay.ok, timings=timings_from(bytes(relay.tail)) if relay.ok else None)
+        engine.finish(plan, ok=relay.ok, answer=bytes(relay.tail) if relay.ok else None)
 
 
 def upstream_body(raw: bytes, body: Mapping[str, Any], slot: int) -> bytes:

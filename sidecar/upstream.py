@@ -1,0 +1,409 @@
+"""A lean HTTP/1.1 client for relaying requests to llama-server.
+
+Every proxied request is two HTTP exchanges, and aiohttp's client spends ~0.3 ms of Python on each
+(URL objects, timers, trace hooks, cookies, redirects), a large share of what the sidecar adds to a
+request. This client writes a request as one buffer on a kept-alive connection and reads the
+answer's head and framing (``Content-Length``, chunked, or until the connection closes) itself.
+Body pieces reach the caller as they arrive (SSE is never held back); closing a response that is
+still being read closes its connection, which makes llama-server cancel the generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import re
+import socket
+import ssl
+import time
+from collections.abc import AsyncIterator, Iterable
+from urllib.parse import urlsplit
+
+from multidict import CIMultiDict
+
+MAX_HEAD = 64 * 1024  # status line and headers
+MAX_HEADERS = 128
+MAX_CHUNK_LINE = 1024  # a chunk-size line, extensions included
+PAUSE_AT = 1 << 20  # body bytes buffered before reading from the socket pauses
+MAX_IDLE = 32  # idle connections kept
+
+_STATUS_RE = re.compile(rb"HTTP/1\.([01]) (\d{3})(?: (.*))?")
+_TOKEN_RE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+_CHUNK_SIZE_RE = re.compile(rb"[0-9A-Fa-f]{1,15}")
+
+
+class UpstreamError(Exception):
+    """llama-server's answer could not be read: connection lost, or not valid HTTP/1.1."""
+
+
+class Upstream:
+    """Kept-alive connections to one HTTP server (llama-server)."""
+
+    def __init__(self, base_url: str, *, keepalive_s: float, connect_timeout: float = 10.0) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {base_url!r}")
+        self.host = parts.hostname
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.ssl = parts.scheme == "https"
+        self.prefix = parts.path.rstrip("/")
+        netloc = parts.netloc.rsplit("@", 1)[-1]
+        self.host_header = netloc.encode("idna") if not netloc.isascii() else netloc.encode()
+        self.keepalive_s = keepalive_s
+        self.connect_timeout = connect_timeout
+        self._idle: collections.deque[_Connection] = collections.deque()
+        self._closed = False
+
+    async def request(self, method: str, target: str, headers: Iterable[tuple[str, str]],
+                      body: bytes = b"") -> UpstreamResponse:
+        """Send one request and return once the answer's head is in (its body is read from the result).
+
+        ``target`` is the path and query as the client sent them. A kept connection that turns
+        out to be closed by the server before any byte of an answer is retried once on a new one.
+        """
+        data = self._encode(method, target, headers, body)
+        for attempt in (0, 1):
+            conn = self._take_idle()
+            reused = conn is not None
+            if conn is None:
+                conn = await self._connect()
+            response = UpstreamResponse(self, conn, head_only=method == "HEAD")
+            try:
+                conn.start(response, data)
+                await response.wait_head()
+                return response
+            except UpstreamError:
+                response.close()
+                if reused and not conn.received and attempt == 0:
+                    continue
+                raise
+            except BaseException:  # cancelled: the connection is in an unknown state
+                response.close()
+                raise
+        raise AssertionError("unreachable")
+
+    def _encode(self, method: str, target: str, headers: Iterable[tuple[str, str]], body: bytes) -> bytes:
+        if not _TOKEN_RE.fullmatch(method.encode("ascii", "replace")):
+            raise ValueError(f"bad method {method!r}")
+        if not target.startswith("/") or any(c in target for c in " \r\n\t"):
+            raise ValueError(f"bad request target {target!r}")
+        lines = [b"%s %s HTTP/1.1" % (method.encode(), (self.prefix + target).encode("utf-8", "surrogateescape")),
+                 b"Host: " + self.host_header]
+        for name, value in headers:
+            raw = value.encode("utf-8", "surrogateescape")
+            if b"\r" in raw or b"\n" in raw or not _TOKEN_RE.fullmatch(name.encode("ascii", "replace")):
+                raise ValueError(f"bad header {name!r}")
+            lines.append(name.encode() + b": " + raw)
+        if body or method not in ("GET", "HEAD", "DELETE", "OPTIONS"):
+            lines.append(b"Content-Length: %d" % len(body))
+        return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+    def _take_idle(self) -> _Connection | None:
+        now = time.monotonic()
+        while self._idle:
+            conn = self._idle.pop()  # the most recently used: least likely to have been dropped
+            if not conn.closed and now - conn.idle_since < self.keepalive_s:
+                return conn
+            conn.close()
+        return None
+
+    async def _connect(self) -> _Connection:
+        if self._closed:
+            raise UpstreamError("client closed")
+        loop = asyncio.get_running_loop()
+        context = ssl.create_default_context() if self.ssl else None
+        _, conn = await asyncio.wait_for(
+            loop.create_connection(_Connection, self.host, self.port, ssl=context), self.connect_timeout)
+        return conn
+
+    def put_back(self, conn: _Connection) -> None:
+        if self._closed or conn.closed or len(self._idle) >= MAX_IDLE:
+            conn.close()
+            return
+        conn.idle_since = time.monotonic()
+        self._idle.append(conn)
+
+    def close(self) -> None:
+        self._closed = True
+        while self._idle:
+            self._idle.pop().close()
+
+
+class _Connection(asyncio.Protocol):
+    """One TCP connection; the response being read gets its bytes."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.response: UpstreamResponse | None = None
+        self.closed = False
+        self.received = False  # any byte of the current answer
+        self.idle_since = 0.0
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport subclasses
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            except OSError:
+                pass
+
+    def start(self, response: UpstreamResponse, data: bytes) -> None:
+        if self.closed or self.transport is None:
+            raise UpstreamError("connection closed")
+        self.response = response
+        self.received = False
+        self.transport.write(data)
+
+    def data_received(self, data: bytes) -> None:
+        self.received = True
+        if self.response is None:  # bytes nobody asked for: the connection is not reusable
+            self.close()
+            return
+        self.response.feed(data)
+
+    def eof_received(self) -> bool | None:
+        return False  # close the transport: HTTP/1.1 has no half-closed connections
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        if self.response is not None:
+            self.response.lost(exc)
+
+    def pause(self, paused: bool) -> None:
+        if self.transport is not None and not self.closed:
+            (self.transport.pause_reading if paused else self.transport.resume_reading)()
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+# Body states
+_HEAD, _LENGTH, _SIZE, _DATA, _DATA_END, _TRAILERS, _UNTIL_CLOSE, _DONE = range(8)
+
+
+def _find(buf: bytearray, sep: bytes, limit: int, what: str) -> int:
+    """Where ``sep`` starts in ``buf``; -1 while more bytes may still bring it."""
+    end = buf.find(sep)
+    if end > limit or (end < 0 and len(buf) > limit):
+        raise UpstreamError(f"{what} too large")
+    return end
+
+
+class UpstreamResponse:
+    """One answer: its head once :meth:`Upstream.request` returns, its body by :meth:`read` or
+    :meth:`iter_any`. :meth:`release` when done (the connection is kept only after a whole answer)."""
+
+    def __init__(self, upstream: Upstream, conn: _Connection, *, head_only: bool) -> None:
+        self._upstream = upstream
+        self._conn: _Connection | None = conn
+        self._head_only = head_only
+        self.status = 0
+        self.reason = ""
+        self.headers: CIMultiDict[str] = CIMultiDict()
+        self.content_length: int | None = None
+        self.keep_alive = True
+        self._state = _HEAD
+        self._buf = bytearray()
+        self._left = 0  # bytes of the current chunk or of the Content-Length body
+        self._pieces: collections.deque[bytes] = collections.deque()
+        self._buffered = 0
+        self._paused = False
+        self._error: UpstreamError | None = None
+        self._waiter: asyncio.Future[None] | None = None
+
+    @property
+    def complete(self) -> bool:
+        return self._state == _DONE
+
+    # -- fed by the connection ------------------------------------------------------------------
+
+    def feed(self, data: bytes) -> None:
+        if self._error is not None or self._state == _DONE:
+            if self._state == _DONE and self._conn is not None:
+                self._conn.close()  # more than the answer: never reuse this connection
+            return
+        self._buf += data
+        try:
+            self._parse()
+        except UpstreamError as exc:
+            self._fail(exc)
+            if self._conn is not None:
+                self._conn.close()
+            return
+        self._wake()
+
+    def lost(self, exc: Exception | None) -> None:
+        if self._state == _UNTIL_CLOSE:
+            self._state = _DONE
+            self.keep_alive = False
+        elif self._state != _DONE and self._error is None:
+            why = f": {exc}" if exc else ""
+            self._fail(UpstreamError(f"llama-server closed the connection mid-answer{why}"
+                                     if self._state != _HEAD or self._buf else f"llama-server closed the connection{why}"))
+        self._wake()
+
+    def _fail(self, exc: UpstreamError) -> None:
+        self._error = exc
+        self.keep_alive = False
+
+    def _wake(self) -> None:
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def _parse(self) -> None:
+        buf = self._buf
+        while buf:
+            state = self._state
+            if state == _HEAD:
+                end = _find(buf, b"\r\n\r\n", MAX_HEAD, "answer head")
+                if end < 0:
+                    return
+                head = bytes(buf[:end])
+                del buf[: end + 4]
+                self._parse_head(head)
+            elif state == _LENGTH or state == _DATA:
+                take = min(self._left, len(buf))
+                self._emit(bytes(buf[:take]))
+                del buf[:take]
+                self._left -= take
+                if self._left == 0:
+                    self._state = _DONE if state == _LENGTH else _DATA_END
+            elif state == _SIZE:
+                end = _find(buf, b"\r\n", MAX_CHUNK_LINE, "chunk-size line")
+                if end < 0:
+                    return
+                line = bytes(buf[:end]).split(b";", 1)[0].strip(b" \t")
+                del buf[: end + 2]
+                if not _CHUNK_SIZE_RE.fullmatch(line):
+                    raise UpstreamError(f"bad chunk size {line[:40]!r}")
+                self._left = int(line, 16)
+                self._state = _DATA if self._left else _TRAILERS
+            elif state == _DATA_END:
+                if len(buf) < 2:
+                    return
+                if buf[:2] != b"\r\n":
+                    raise UpstreamError("chunk not followed by CRLF")
+                del buf[:2]
+                self._state = _SIZE
+            elif state == _TRAILERS:
+                end = _find(buf, b"\r\n", MAX_HEAD, "trailer line")
+                if end < 0:
+                    return
+                del buf[: end + 2]
+                if end == 0:
+                    self._state = _DONE
+            elif state == _UNTIL_CLOSE:
+                self._emit(bytes(buf))
+                buf.clear()
+            else:  # _DONE with bytes left over
+                raise UpstreamError("llama-server sent more than its answer")
+
+    def _parse_head(self, head: bytes) -> None:
+        lines = head.split(b"\r\n")
+        match = _STATUS_RE.fullmatch(lines[0])
+        if match is None:
+            raise UpstreamError(f"not an HTTP/1.x status line: {lines[0][:80]!r}")
+        if len(lines) - 1 > MAX_HEADERS:
+            raise UpstreamError("too many headers in the answer")
+        status = int(match.group(2))
+        headers: CIMultiDict[str] = CIMultiDict()
+        for line in lines[1:]:
+            name, sep, value = line.partition(b":")
+            if not sep or not _TOKEN_RE.fullmatch(name):
+                raise UpstreamError(f"bad header line {line[:80]!r}")
+            headers.add(name.decode("ascii"), value.strip(b" \t").decode("utf-8", "surrogateescape"))
+        if 100 <= status < 200:
+            if status == 101:
+                raise UpstreamError("llama-server switched protocols")
+            return  # an interim answer: the real one follows
+        self.status = status
+        self.reason = (match.group(3) or b"").decode("latin-1")
+        self.headers = headers
+        connection = {t.strip().lower() for v in headers.getall("Connection", []) for t in v.split(",")}
+        self.keep_alive = match.group(1) == b"1" and "close" not in connection
+        if self._head_only or status in (204, 304):
+            self.content_length = 0
+            self._state = _DONE
+            return
+        if "Transfer-Encoding" in headers:
+            codings = [t.strip().lower() for v in headers.getall("Transfer-Encoding") for t in v.split(",")]
+            self._state = _SIZE if codings[-1] == "chunked" else _UNTIL_CLOSE
+            if self._state == _UNTIL_CLOSE:
+                self.keep_alive = False
+            return
+        lengths = {v.strip() for v in headers.getall("Content-Length", [])}
+        if lengths:
+            value = lengths.pop()
+            if lengths or not value.isdigit() or not value.isascii() or len(value) > 15:
+                raise UpstreamError("bad Content-Length in the answer")
+            self.content_length = self._left = int(value)
+            self._state = _LENGTH if self._left else _DONE
+            return
+        self._state = _UNTIL_CLOSE
+        self.keep_alive = False
+
+    def _emit(self, piece: bytes) -> None:
+        if not piece:
+            return
+        self._pieces.append(piece)
+        self._buffered += len(piece)
+        if self._buffered > PAUSE_AT and not self._paused and self._conn is not None:
+            self._paused = True
+            self._conn.pause(True)
+
+    # -- read by the relay ----------------------------------------------------------------------
+
+    async def _wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    async def wait_head(self) -> None:
+        while self._state == _HEAD and self._error is None:
+            await self._wait()
+        if self._state == _HEAD:
+            assert self._error is not None
+            raise self._error
+
+    async def iter_any(self) -> AsyncIterator[bytes]:
+        """The body's pieces as they arrive; raises :class:`UpstreamError` if it is cut short."""
+        while True:
+            if self._pieces:
+                piece = self._pieces.popleft()
+                self._buffered -= len(piece)
+                if self._paused and self._buffered <= PAUSE_AT // 2 and self._conn is not None:
+                    self._paused = False
+                    self._conn.pause(False)
+                yield piece
+            elif self._state == _DONE:
+                return
+            elif self._error is not None:
+                raise self._error
+            else:
+                await self._wait()
+
+    async def read(self) -> bytes:
+        return b"".join([piece async for piece in self.iter_any()])
+
+    def release(self) -> None:
+        """Give the connection back: kept for the next request after a whole answer, else closed."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        conn.response = None
+        if self._state == _DONE and self.keep_alive and self._error is None and not self._buf:
+            self._upstream.put_back(conn)
+        else:
+            conn.close()
+
+    def close(self) -> None:
+        """Drop the connection (llama-server then stops generating this answer)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.response = None
+            conn.close()

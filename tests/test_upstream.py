@@ -1,0 +1,276 @@
+"""The relay's HTTP/1.1 client against raw scripted servers: framing, reuse, and broken answers.
+
+Each test runs under asyncio's own loop and under uvloop (what ``kvtier serve`` runs on): their
+transports differ. Real llama-server exchanges go through it in every sidecar test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import uvloop
+
+from sidecar.upstream import MAX_HEAD, PAUSE_AT, Upstream, UpstreamError
+
+LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+# A script: for each request on a connection, what to answer (raw bytes, or a list of pieces sent
+# with a pause between them); None closes the connection without an answer.
+Answer = bytes | list[bytes] | None
+
+
+class ScriptedServer:
+    """Answers requests with raw bytes from a script; records connections and requests."""
+
+    def __init__(self, answers: list[Answer], close_after: bool = False) -> None:
+        self.answers = list(answers)
+        self.close_after = close_after  # close each connection after one answer (without saying so)
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.closed_by_client = asyncio.Event()
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while self.answers:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                self.requests.append(head + await reader.readexactly(length))
+                answer = self.answers.pop(0)
+                if answer is None:
+                    return
+                for piece in answer if isinstance(answer, list) else [answer]:
+                    writer.write(piece)
+                    await writer.drain()
+                    await asyncio.sleep(0.005)
+                if self.close_after:
+                    return
+            if not self.answers:  # wait for the client to hang up
+                await reader.read()
+                self.closed_by_client.set()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.closed_by_client.set()
+        finally:
+            writer.close()
+
+
+def run(loop: str, answers: list[Answer], body: Callable[[Upstream, ScriptedServer], Awaitable[Any]],
+        close_after: bool = False, keepalive_s: float = 30.0) -> ScriptedServer:
+    server_script = ScriptedServer(answers, close_after)
+
+    async def main() -> None:
+        server = await asyncio.start_server(server_script.handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        upstream = Upstream(f"http://127.0.0.1:{port}", keepalive_s=keepalive_s)
+        try:
+            await asyncio.wait_for(body(upstream, server_script), 10)
+        finally:
+            upstream.close()
+            server.close()
+
+    with asyncio.Runner(loop_factory=LOOPS[loop]) as runner:
+        runner.run(main())
+    return server_script
+
+
+def ok(body: bytes, extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n%s\r\n%s" % (
+        len(body), extra, body)
+
+
+def chunked(*pieces: bytes) -> list[bytes]:
+    return [b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n",
+            *[b"%x;ext=1\r\n%s\r\n" % (len(p), p) for p in pieces], b"0\r\nX-Trailer: t\r\n\r\n"]
+
+
+async def post(upstream: Upstream, body: bytes = b"{}") -> tuple[int, bytes, Any]:
+    response = await upstream.request("POST", "/completion?x=1", [("Content-Type", "application/json")], body)
+    try:
+        return response.status, await response.read(), response
+    finally:
+        response.release()
+
+
+@pytest.fixture(params=list(LOOPS))
+def loop(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+def test_whole_answers_reuse_one_connection(loop: str) -> None:
+    async def body(upstream: Upstream, server: ScriptedServer) -> None:
+        for i in range(3):
+            status, data, response = await post(upstream, b'{"n": %d}' % i)
+            assert (status, data) == (200, b'{"n": %d}' % i)
+            assert response.content_length == len(data) and response.headers["content-type"] == "application/json"
+
+    server = run(loop, [ok(b'{"n": 0}'), ok(b'{"n": 1}'), ok(b'{"n": 2}')], body)
+    assert server.connections == 1
+    first = server.requests[0]
+    assert first.startswith(b"POST /completion?x=1 HTTP/1.1\r\nHost: 127.0.0.1:")
+    assert b"\r\nContent-Length: 8\r\n" in first and first.endswith(b'\r\n\r\n{"n": 0}')
+
+
+def test_chunked_stream_arrives_piece_by_piece(loop: str) -> None:
+    events = [b"data: {\"content\": \"%d\"}\n\n" % i for i in range(5)]
+
+    async def body(upstream: Upstream, server: ScriptedServer) -> None:
+        response = await upstream.request("POST", "/completion", [], b"{}")
+        pieces = [piece async for piece in response.iter_any()]
+        response.release()
+        assert b"".join(pieces) == b"".join(events) and len(pieces) == len(events)
+        assert response.complete and response.content_length is None
+        status, data, _ = await post(upstream)  # the connection was kept after the last chunk
+        assert data == b"again"
+
+    # Every byte of the framing in its own write as well: the parser resumes anywhere.
+    bytewise = [bytes([b]) for b in b"".join(chunked(b"x", b"yz"))]
+    server = run(loop, [chunked(*events), ok(b"again")], body)
+    assert server.connections == 1
+
+    async def split(upstream: Upstream, server: ScriptedServer) -> None:
+        assert (await post(upstream))[1] == b"xyz"
+
+    run(loop, [bytewise], split)
+
+
+def test_answers_without_a_body_and_close_delimited_ones(loop: str) -> None:
+    async def body(upstream: Upstream, server: ScriptedServer) -> None:
+        head = await upstream.request("HEAD", "/health", [])
+        assert head.status == 200 and head.content_length == 0 and await head.read() == b""
+        head.release()
+        assert (await post(upstream))[:2] == (204, b"")
+
+    server = run(loop, [b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n", b"HTTP/1.1 204 No Content\r\n\r\n"], body)
+    assert server.connections == 1
+    assert server.requests[0].startswith(b"HEAD /health HTTP/1.1\r\n") and b"Content-Length" not in server.requests[0]
+
+    async def until_close(upstream: Upstream, server: ScriptedServer) -> None:
+        # An interim 100 answer is skipped; an answer without a length runs until the connection closes.
+        status, data, response = await post(upstream)
+        assert (status, data, response.keep_alive) == (200, b"until close", False)
+
+    run(loop, [[b"HTTP/1.1 100 Continue\r\n\r\n", b"HTTP/1.1 200 OK\r\n\r\nuntil ", b"close"]], until_close,
+        close_after=True)
+
+
+def test_connection_close_and_dropped_idle_connections_are_not_reused(loop: str) -> None:
+    async def body(upstream: Upstream, server: ScriptedServer) -> None:
+        assert (await post(upstream))[1] == b"a"  # says Connection: close
+        assert (await post(upstream))[1] == b"b"  # new connection; the server drops it unannounced
+        await asyncio.sleep(0.05)
+        assert (await post(upstream))[1] == b"c"
+
+    server = run(loop, [ok(b"a", b"Connection: close\r\n"), ok(b"b"), ok(b"c")], body, close_after=True)
+    assert server.connections == 3
+
+
+def test_a_kept_connection_closed_before_answering_is_retried_once(loop: str) -> None:
+    async def body(upstream: Upstream, server: ScriptedServer) -> None:
+        assert (await post(upstream))[1] == b"a"
+        # The server reads the next request on the kept connection, then closes without a byte
+        # (an idle timeout racing the request): the client retries on a new connection.
+        assert (await post(upstream))[1] == b"b"
+        # A new connection that closes without an answer is an error, not retried.
+        fresh = Upstream(f"http://{upstream.host}:{upstream.port}", keepalive_s=30)
+        with pytest.raises(UpstreamError, match="closed the connection"):
+            await post(fresh)
+        upstream.close()
+
+    server = run(loop, [ok(b"a"), None, ok(b"b"), None], body)
+    assert server.connections == 3
+
+
+def test_idle_connections_expire(loop: str) -> None:
+    async def body(upstream: Upstream, server: ScriptedServer) -> None:
+        await post(upstream)
+        await asyncio.sleep(0.15)
+        await post(upstream)
+
+    assert run(loop, [ok(b"1"), ok(b"2")], body, keepalive_s=0.1).connections == 2
+
+
+@pytest.mark.parametrize("answer, message", [
+    (b"HTTP/2 200 OK\r\n\r\n", "not an HTTP/1.x status line"),
+    (b"SSH-2.0-OpenSSH\r\n\r\n", "not an HTTP/1.x status line"),
+    (b"HTTP/1.1 20 OK\r\n\r\n", "not an HTTP/1.x status line"),
+    (b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n", "bad header line"),
+    (b"HTTP/1.1 200 OK\r\n folded: x\r\n\r\n", "bad header line"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\nhello", "bad Content-Length"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", "bad Content-Length"),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 99999999999999999999\r\n\r\n", "bad Content-Length"),
+    (b"HTTP/1.1 200 OK\r\nX-Big: " + b"x" * (MAX_HEAD + 10) + b"\r\n\r\n", "head too large"),
+    (b"HTTP/1.1 200 OK\r\n" + b"X-A: 1\r\n" * 200 + b"\r\n", "too many headers"),
+    (b"HTTP/1.1 101 Switching Protocols\r\n\r\n", "switched protocols"),
+    (b"HTTP/1.1 200 OK\r\nContent-Le", "closed the connection"),
+])
+def test_malformed_heads_are_errors(loop: str, answer: bytes, message: str) -> None:
+    async def body(upstream: Upstream, server: ScriptedServer) -> None:
+        with pytest.raises(UpstreamError, match=message):
+            await upstream.request("POST", "/completion", [], b"{}")
+
+    run(loop, [answer, None], body, close_after=True)
+
+
+@pytest.mark.parametrize("answer, message", [
+    ([b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nhalf"], "mid-answer"),
+    ([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n"], "mid-answer"),
+    ([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"], "bad chunk size"),
+    ([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"f" * 16 + b"\r\n"], "bad chunk size"),
+    ([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n-5\r\n"], "bad chunk size"),
+    ([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"1" * 2000], "chunk-size line too large"),
+    ([b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nabXY"], "not followed by CRLF"),
+])
+def test_broken_bodies_are_errors_after_what_arrived(loop: str, answer: list[bytes], message: str) -> None:
+    async def body(upstream: Upstream, server: ScriptedServer) -> None:
+        response = await upstream.request("POST", "/completion", [], b"{}")
+        with pytest.raises(UpstreamError, match=message):
+            await response.read()
+        response.release()
+        assert not response.complete
+
+    run(loop, [answer, None], body, close_after=True)
+
+
+def test_a_large_body_flows_with_backpressure(loop: str) -> None:
+    big = bytes(range(256)) * (3 * PAUSE_AT // 256)
+
+    async def body(upstream: Upstream, server: ScriptedServer) -> None:
+        response = await upstream.request("GET", "/big", [])
+        await asyncio.sleep(0.2)  # the sender is ahead: reading pauses, then resumes as pieces are taken
+        assert response._buffered <= PAUSE_AT + (1 << 20)
+        assert await response.read() == big
+        response.release()
+
+    run(loop, [ok(big)], body)
+
+
+def test_closing_mid_answer_closes_the_connection(loop: str) -> None:
+    async def body(upstream: Upstream, server: ScriptedServer) -> None:
+        response = await upstream.request("POST", "/completion", [], b"{}")
+        pieces = response.iter_any()
+        assert await pieces.__anext__() == b"first"
+        response.close()  # the client went away
+        await asyncio.wait_for(server.closed_by_client.wait(), 5)
+        assert not upstream._idle
+
+    run(loop, [[b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n",
+                b"6\r\nsecond\r\n", b"0\r\n\r\n"]], body)
+
+
+def test_requests_that_cannot_be_written_are_refused() -> None:
+    upstream = Upstream("http://127.0.0.1:1/prefix/", keepalive_s=1)
+    encoded = upstream._encode("POST", "/completion", [("X-A", "é")], b"{}")
+    assert encoded.startswith(b"POST /prefix/completion HTTP/1.1\r\nHost: 127.0.0.1:1\r\nX-A: \xc3\xa9\r\n")
+    for method, target, headers in [("POST", "/a b", []), ("POST", "no-slash", []), ("PO ST", "/", []),
+                                    ("POST", "/", [("X-A", "1\r\nX-Injected: 1")]), ("POST", "/", [("Bad Name", "1")])]:
+        with pytest.raises(ValueError):
+            upstream._encode(method, target, headers, b"")
+    for url in ("ftp://x", "http://", "127.0.0.1:8080"):
+        with pytest.raises(ValueError):
+            Upstream(url, keepalive_s=1)
