@@ -13,8 +13,10 @@ by kvtier.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -27,6 +29,7 @@ from .appkeys import ENGINE, METRICS
 from .middlewares import json_error
 
 MAX_BODY = 64 * 1024
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 DEFAULT_WAIT_S = 10.0
 MAX_WAIT_S = 120.0
 
@@ -198,27 +201,31 @@ async def delete_session(request: web.Request) -> web.Response:
     return web.json_response({"id": session_id, "deleted": True})
 
 
-@web.middleware
-async def sessions_errors(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Typed errors of the sessions API as JSON with the right status."""
-    try:
-        return await handler(request)
-    except ApiError as exc:
-        return json_error(exc.status, exc.message, exc.kind)
-    except SessionNotFound as exc:
-        return json_error(404, str(exc), "not_found")
-    except SessionIncomplete as exc:
-        return json_error(410, str(exc), "gone")
-    except TierUnavailable as exc:
-        return json_error(503, str(exc), "unavailable")
-    except KVTierError as exc:
-        return json_error(502, str(exc), "cache_error")
+def sessions_errors(handler: Handler) -> Handler:
+    """The sessions API's typed errors as JSON with the right status."""
+
+    @functools.wraps(handler)
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return json_error(exc.status, exc.message, exc.kind)
+        except SessionNotFound as exc:
+            return json_error(404, str(exc), "not_found")
+        except SessionIncomplete as exc:
+            return json_error(410, str(exc), "gone")
+        except TierUnavailable as exc:
+            return json_error(503, str(exc), "unavailable")
+        except KVTierError as exc:
+            return json_error(502, str(exc), "cache_error")
+
+    return wrapped
 
 
 ROUTES = [
-    web.put("/v1/sessions/{id}", save_session),
-    web.post("/v1/sessions/{id}/restore", restore_session),
-    web.get("/v1/sessions/{id}", get_session),
-    web.get("/v1/sessions", list_sessions),
-    web.delete("/v1/sessions/{id}", delete_session),
+    web.put("/v1/sessions/{id}", sessions_errors(save_session)),
+    web.post("/v1/sessions/{id}/restore", sessions_errors(restore_session)),
+    web.get("/v1/sessions/{id}", sessions_errors(get_session)),
+    web.get("/v1/sessions", sessions_errors(list_sessions)),
+    web.delete("/v1/sessions/{id}", sessions_errors(delete_session)),
 ]
