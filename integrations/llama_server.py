@@ -66,6 +66,26 @@ class Timings:
         except (TypeError, ValueError):
             return None
 
+    @classmethod
+    def from_answer(cls, tail: bytes) -> Timings | None:
+        """The ``timings`` of a completion's answer (plain JSON, or the end of an SSE stream)."""
+        text = tail.decode("utf-8", errors="replace")
+        candidates: list[str] = []
+        stripped = text.strip()
+        if stripped.startswith("{"):
+            candidates.append(stripped)
+        candidates += [line[5:].strip() for line in reversed(text.splitlines()) if line.startswith("data:")]
+        for candidate in candidates:
+            if '"timings"' not in candidate:
+                continue
+            try:
+                data = json.loads(candidate)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(data, dict):
+                return cls.from_json(data.get("timings"))
+        return None
+
 
 def prefix_reused(timings: Timings | None, prompt_tokens: int, restored_tokens: int, slack: int = 1) -> bool:
     """True when the server recomputed only the suffix after a restore.

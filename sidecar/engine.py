@@ -381,28 +381,34 @@ class KVEngine:
 
     # -- after the request ----------------------------------------------------------------------
 
-    def finish(self, plan: RequestPlan, *, ok: bool, timings: Timings | None) -> None:
-        """Account for the answer, then save the slot in the background and release it."""
-        if timings is not None:
-            self.metrics.tokens_recomputed.inc(timings.prompt_n)
-            self.cost.observe_prefill(timings.prompt_n, timings.prompt_ms)
-            if plan.restored_tokens and not prefix_reused(timings, plan.tokens.size, plan.restored_tokens):
-                self.metrics.reuse_failures.inc()
-                log.warning("slot %d: restored %d tokens but the server recomputed %d of %d",
-                            plan.lease.slot, plan.restored_tokens, timings.prompt_n, plan.tokens.size)
+    def finish(self, plan: RequestPlan, *, ok: bool, answer: bytes | None) -> None:
+        """Save the slot in the background and release it; the answer (its end, for streams) is
+        read for its timings there too, after it has been delivered."""
         assert self.slots is not None
         self.slots.slots[plan.lease.slot].served = True
-        task = asyncio.get_running_loop().create_task(self._save_then_release(plan, ok))
+        task = asyncio.get_running_loop().create_task(self._save_then_release(plan, ok, answer))
         self._pending.add(task)
         self.metrics.pending_saves.set(len(self._pending))
         task.add_done_callback(self._pending.discard)
 
-    async def _save_then_release(self, plan: RequestPlan, ok: bool) -> None:
+    def _account(self, plan: RequestPlan, timings: Timings | None) -> None:
+        if timings is None:
+            return
+        self.metrics.tokens_recomputed.inc(timings.prompt_n)
+        self.cost.observe_prefill(timings.prompt_n, timings.prompt_ms)
+        if plan.restored_tokens and not prefix_reused(timings, plan.tokens.size, plan.restored_tokens):
+            self.metrics.reuse_failures.inc()
+            log.warning("slot %d: restored %d tokens but the server recomputed %d of %d",
+                        plan.lease.slot, plan.restored_tokens, timings.prompt_n, plan.tokens.size)
+
+    async def _save_then_release(self, plan: RequestPlan, ok: bool, answer: bytes | None) -> None:
         assert self.slots is not None
         # Let the answer's last bytes reach the client first: on a small host the save (llama-server
         # writing the slot file, kvtier splitting it) would compete for the CPU with its delivery.
         await asyncio.sleep(SAVE_DELAY_S)
         try:
+            if answer is not None:
+                self._account(plan, Timings.from_answer(answer))
             if plan.fetched is not None:
                 fetched, plan.fetched = plan.fetched, None
                 await self.store.promote(fetched)

@@ -9,11 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from integrations.llama_server import Timings
 from sidecar.cli_client import summarize_metrics
 from sidecar.config import Settings, load_settings, redact_url
 from sidecar.costmodel import CostModel
 from sidecar.metrics import Metrics
-from sidecar.proxy import timings_from, upstream_body
+from sidecar.proxy import upstream_body
 from sidecar.slots import SlotTable, common_prefix
 from tiers.errors import ConfigError
 
@@ -132,11 +133,11 @@ def test_settings_precedence_and_redaction(tmp_path: Path) -> None:
 
 
 def test_timings_are_found_in_json_and_sse_tails() -> None:
-    assert timings_from(b'{"content": "x", "timings": {"prompt_n": 5, "prompt_ms": 2.0}}').prompt_n == 5
+    assert Timings.from_answer(b'{"content": "x", "timings": {"prompt_n": 5, "prompt_ms": 2.0}}').prompt_n == 5
     sse = b'data: {"content": "a"}\n\ndata: {"stop": true, "timings": {"prompt_n": 7}}\n\ndata: [DONE]\n\n'
-    assert timings_from(sse).prompt_n == 7
-    assert timings_from(b"not json") is None
-    assert timings_from(b'data: {"timings": "bad"}\n\n') is None
+    assert Timings.from_answer(sse).prompt_n == 7
+    assert Timings.from_answer(b"not json") is None
+    assert Timings.from_answer(b'data: {"timings": "bad"}\n\n') is None
 
 
 @pytest.mark.parametrize("raw", [
