@@ -10,6 +10,13 @@ seen before: llama.cpp first cuts a text at every special token (``<|im_start|>`
 tokenizes each piece between them on its own (``tokenizer_st_partition`` in ``llama-vocab.cpp``).
 kvtier makes the same cut and remembers the tokens of each piece, so a new turn costs the
 tokenization of its new messages, not of the whole history (~1.6 us per token on a small CPU).
+
+A plain text prompt is a single piece that grows from request to request. For those, a piece that
+shares its start with a remembered one reuses its tokens up to the last word boundary of what
+they share (a space after a non-space, before a letter: byte-level BPE pre-tokenizers always split
+there, and BPE never merges across a split) and tokenizes only the text after it. The token texts' lengths locate the boundary
+in the remembered tokens; kvtier's start-up check and its after-request check (against the tokens
+llama-server saved) stop in-process tokenizing if a vocabulary does not behave so.
 """
 
 from __future__ import annotations
@@ -17,11 +24,16 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
 
 import numpy as np
 
 CACHE_BYTES = 16 << 20  # text of the remembered pieces
+EXTEND_MIN = 512  # pieces at least this long are tokenized from a remembered piece sharing their start
+HEAD_BYTES = 64  # remembered pieces are found by their first bytes
+BASES_PER_HEAD = 4  # the most recent pieces kept per start
+MAX_HEADS = 256
+BOUNDARY_SEARCH = 1024  # bytes searched back from a remembered piece's end for a word boundary
 C_SPACE = b" \t\n\v\f\r"  # C isspace(), what llama.cpp strips beside LSTRIP/RSTRIP tokens
 
 
@@ -56,6 +68,8 @@ class Vocab:
         self._eos = int(llama_cpp.llama_vocab_eos(self._vocab))
         self._specials = self._special_tokens() if llama_cpp.llama_vocab_type(self._vocab) == \
             llama_cpp.LLAMA_VOCAB_TYPE_BPE else None
+        self._text_len = self._token_text_lengths() if self._specials is not None else None
+        self._bases: OrderedDict[bytes, deque[bytes]] = OrderedDict()  # first bytes -> recent long pieces
         self._pieces: OrderedDict[bytes, np.ndarray] = OrderedDict()
         self._cached_bytes = 0
         self._cache_limit = cache_bytes
@@ -74,6 +88,17 @@ class Vocab:
                     out.append((bytes(text), tid, bool(attr & ll.LLAMA_TOKEN_ATTR_LSTRIP),
                                 bool(attr & ll.LLAMA_TOKEN_ATTR_RSTRIP)))
         out.sort(key=lambda s: -len(s[0]))
+        return out
+
+    def _token_text_lengths(self) -> np.ndarray:
+        """Bytes of text each token stands for (0 for control tokens)."""
+        ll = self._ll
+        n_vocab = ll.llama_vocab_n_tokens(self._vocab)
+        out = np.zeros(n_vocab, np.int64)
+        buf = ctypes.create_string_buffer(256)
+        for tid in range(n_vocab):
+            n = ll.llama_token_to_piece(self._vocab, tid, buf, len(buf), 0, False)
+            out[tid] = n if n >= 0 else -1  # longer than the buffer: never used as a boundary
         return out
 
     def tokenize(self, text: str) -> np.ndarray:
@@ -132,16 +157,51 @@ class Vocab:
             if tokens is not None:
                 self._pieces.move_to_end(piece)
                 return tokens
-        tokens = self._tokenize_bytes(piece, False)
+        long = len(piece) >= EXTEND_MIN
+        extended = self._extend(piece) if long else None
+        tokens = extended if extended is not None else self._tokenize_bytes(piece, False)
         if len(piece) <= self._cache_limit // 4:
             with self._cache_lock:
                 if piece not in self._pieces:
                     self._pieces[piece] = tokens
                     self._cached_bytes += len(piece)
+                    if long:
+                        self._remember_base(piece)
                 while self._cached_bytes > self._cache_limit:
                     old, _ = self._pieces.popitem(last=False)
                     self._cached_bytes -= len(old)
         return tokens
+
+    def _remember_base(self, piece: bytes) -> None:
+        head = piece[:HEAD_BYTES]
+        bases = self._bases.get(head)
+        if bases is None:
+            bases = self._bases[head] = deque(maxlen=BASES_PER_HEAD)
+            if len(self._bases) > MAX_HEADS:
+                self._bases.popitem(last=False)
+        else:
+            self._bases.move_to_end(head)
+        bases.append(piece)
+
+    def _extend(self, piece: bytes) -> np.ndarray | None:
+        """``piece``'s tokens from the remembered piece that shares the longest start with it, or None."""
+        assert self._text_len is not None
+        base, shared, base_tokens = b"", 0, None
+        with self._cache_lock:
+            for candidate in self._bases.get(piece[:HEAD_BYTES], ()):
+                tokens = self._pieces.get(candidate)
+                n = common_prefix(piece, candidate)
+                if tokens is not None and n > shared:
+                    base, shared, base_tokens = candidate, n, tokens
+        # Before the first differing byte: the space must be there in both texts.
+        cut = word_boundary(piece, shared - 1)
+        if base_tokens is None or cut <= 0:
+            return None
+        ends = np.cumsum(self._text_len[base_tokens])
+        at = int(np.searchsorted(ends, cut))
+        if ends[-1] != len(base) or at >= ends.size or ends[at] != cut:
+            return None  # the tokens' texts do not line up with the piece: tokenize it whole
+        return np.concatenate([base_tokens[: at + 1], self._tokenize_bytes(piece[cut:], False)])
 
     def _tokenize_bytes(self, data: bytes, add_special: bool) -> np.ndarray:
         if self._model is None:
@@ -164,7 +224,38 @@ class Vocab:
             self._model = None
         with self._cache_lock:
             self._pieces.clear()
+            self._bases.clear()
             self._cached_bytes = 0
+
+
+def common_prefix(a: bytes, b: bytes) -> int:
+    """How many leading bytes ``a`` and ``b`` share (a binary search of memcmp's)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def word_boundary(data: bytes, end: int) -> int:
+    """The last offset ``k <= end`` where ``data[k]`` is a space between a non-space and an ASCII
+    letter (searched ``BOUNDARY_SEARCH`` bytes back), or -1."""
+    lo = max(end - BOUNDARY_SEARCH, 1)
+    k = min(end, len(data) - 2)
+    while k >= lo:
+        k = data.rfind(b" ", lo, k + 1)
+        if k < lo:
+            return -1
+        if data[k - 1] not in C_SPACE and data[k + 1:k + 2].isalpha():
+            return k
+        k -= 1
+    return -1
 
 
 _backend_lock = threading.Lock()

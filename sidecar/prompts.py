@@ -50,6 +50,9 @@ ROLES = frozenset({"system", "user", "assistant"})
 THREAD_TOKENIZE_CHARS = 16 << 10
 SAMPLE_TEXT = ("kvtier's check: Hello, World!  3.14159 == 22/7?\n\n\tünïcödé, 日本語, emoji 🙂 "
                "<|im_start|>user\n<s>[INST] </s> <|endoftext|>  trailing  ")
+# A long plain text and a continuation of it: the second is tokenized from the first's tokens.
+SAMPLE_BASE = "".join(f"Item {i}: the value is {i * 37 % 101}, ok?  Next\n" for i in range(24)) + "Last words"
+SAMPLE_EXTENDED = SAMPLE_BASE + " here, and more:\tdone. Über café 🙂 x"
 SAMPLE_CHAT = [
     {"role": "system", "content": "You are terse."},
     {"role": "user", "content": "Name a prime.\nJust one."},
@@ -181,7 +184,7 @@ class PromptTokens:
 
     async def _check_tokenizer(self) -> None:
         assert self.vocab is not None
-        for sample in (SAMPLE_TEXT, ""):
+        for sample in (SAMPLE_TEXT, "", SAMPLE_BASE, SAMPLE_EXTENDED):
             ours = [self.vocab.tokenize(sample), self.vocab.tokenize_whole(sample)]
             theirs = as_token_array(await self.client.tokenize(sample))
             if not all(np.array_equal(t, theirs) for t in ours):
@@ -219,7 +222,7 @@ class PromptTokens:
                 text = await self.client.apply_template(body)
         else:
             text = body.get("prompt")
-            if isinstance(text, list) and text and all(isinstance(t, int) and not isinstance(t, bool) for t in text):
+            if isinstance(text, list) and text and set(map(type, text)) == {int}:  # ints, not bools
                 self.metrics.prompt_seconds.labels("ids").observe(time.perf_counter() - t0)
                 return Prompt(as_token_array(text))
         if not isinstance(text, str):

@@ -20,7 +20,7 @@ import pytest_asyncio
 
 from integrations.ggufgen import ModelShape, write_random_llama
 from integrations.llama_server import LlamaServerError
-from integrations.vocab import Vocab
+from integrations.vocab import Vocab, common_prefix, word_boundary
 from sidecar.config import Settings
 from sidecar.procs import smollm2_path
 from sidecar.prompts import Prompt, PromptTokens
@@ -129,6 +129,48 @@ async def test_piece_cache_tokenizes_like_one_llama_cpp_call(node: Node) -> None
     prompt = await prompts.prompt_for("completion", {"prompt": "hello there"})
     assert prompt is not None and not prompt.tokenized_here
     assert np.array_equal(prompt.tokens, vocab.tokenize("hello there"))
+
+
+async def test_growing_texts_are_tokenized_from_their_start(node: Node) -> None:
+    """A text prompt that extends a remembered one reuses its tokens up to a word boundary; the
+    result equals one llama.cpp call on the whole text and llama-server's /tokenize."""
+    vocab = Vocab(node.sidecar.engine.prompts.vocab.path)  # type: ignore[union-attr]
+    extended = []
+    real_extend = vocab._extend
+
+    def counting(piece: bytes) -> np.ndarray | None:
+        out = real_extend(piece)
+        extended.append(out is not None)
+        return out
+
+    vocab._extend = counting  # type: ignore[method-assign]
+    rng = random.Random(11)
+    words = ["the", "of", "Hello", "x", "42", "3.14", "é", "日本", "🙂", " ", "  ", "\n", "\n\n", "\t", ",", ".",
+             "'s", "'ll", "--", "(", "don't", "I'm", "A", "<|im", "end|>"]
+    try:
+        for conversation in range(30):
+            text = " ".join(rng.choice(words) for _ in range(200))
+            for turn in range(6):
+                text += rng.choice(["", " ", "\n", "  ", "<|im_end|>\n"]) + "".join(
+                    rng.choice(words) + rng.choice([" ", "", "\n", "  "]) for _ in range(rng.randint(1, 30)))
+                ours = vocab.tokenize(text)
+                assert np.array_equal(ours, vocab.tokenize_whole(text)), text
+                if turn == 5 and conversation % 5 == 0:
+                    assert np.array_equal(ours, await node.sidecar.engine.client.tokenize(text)), text
+        assert sum(extended) >= 30  # taken (43 times with this seed): not for new short pieces after a special token
+        # Texts that share only their start (one system prompt, two users) share its tokens too.
+        system = " ".join(rng.choice(words) for _ in range(300))
+        extended.clear()
+        for user in ("Alice asks: what is 2+2?", "Bob asks: why is the sky blue?", "Bob asks: why not?"):
+            assert np.array_equal(vocab.tokenize(system + "\n" + user), vocab.tokenize_whole(system + "\n" + user))
+        assert extended == [False, True, True]
+    finally:
+        vocab.close()
+    assert word_boundary(b"abc def", 7) == 3 and word_boundary(b"abc  def", 8) == -1
+    assert word_boundary(b"a. b1 c", 7) == 5 and word_boundary(b"x" * 3000 + b" y", 3000) == 3000
+    assert word_boundary(b"abc def", 2) == -1 and word_boundary(b"", 0) == -1
+    assert [common_prefix(a, b) for a, b in [(b"", b"x"), (b"abc", b"abd"), (b"ab", b"abc"), (b"x" * 999, b"x" * 999)]] \
+        == [0, 2, 2, 999]
 
 
 async def test_requests_use_in_process_prompts_and_their_checks_pass(node: Node) -> None:
