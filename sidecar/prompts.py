@@ -223,8 +223,12 @@ class PromptTokens:
         else:
             text = body.get("prompt")
             if isinstance(text, list) and text and set(map(type, text)) == {int}:  # ints, not bools
+                try:
+                    ids = np.fromiter(text, np.int32, len(text))
+                except OverflowError:  # not token ids: llama-server answers
+                    return None
                 self.metrics.prompt_seconds.labels("ids").observe(time.perf_counter() - t0)
-                return Prompt(as_token_array(text))
+                return Prompt(ids)
         if not isinstance(text, str):
             return None
         tokens = await self._tokenize(text)

@@ -238,6 +238,10 @@ async def test_bad_requests_get_llama_servers_errors_and_cache_nothing(cluster: 
         ("/v1/chat/completions", json.dumps({"messages": "nope"}).encode()),
         ("/v1/chat/completions", json.dumps({"messages": [{"role": 3}]}).encode()),
         ("/completion", json.dumps({"prompt": "hi", "n_predict": "many"}).encode()),
+        ("/completion", json.dumps({"prompt": [1, 2 ** 40], "n_predict": 1}).encode()),
+        ("/completion", json.dumps({"prompt": [1, -5], "n_predict": 1}).encode()),
+        ("/completion", json.dumps({"prompt": [True, 5], "n_predict": 1}).encode()),
+        ("/completion", json.dumps({"prompt": [1.5, 5], "n_predict": 1}).encode()),
     ]
     for path, raw in cases:
         via = await post(c.a.url + path, None, raw=raw)
