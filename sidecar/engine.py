@@ -43,6 +43,15 @@ log = logging.getLogger("kvtier.engine")
 FILE_PREFIX = "kvtier-"  # every file kvtier writes into the slot dir; names never come from clients
 
 
+def _read_and_remove(path: Path) -> bytes:
+    """A saved slot file's bytes; the file is removed in the same thread (freeing a large file's
+    pages takes milliseconds, which the event loop would otherwise wait for)."""
+    try:
+        return path.read_bytes()
+    finally:
+        path.unlink(missing_ok=True)
+
+
 def _signature(props: Mapping[str, Any]) -> tuple[str, ...]:
     """What must stay the same for the learned namespace and slot table to stay valid."""
     return tuple(str(props.get(k, "")) for k in ("model_path", "build_info", "total_slots", "model_ftype"))
@@ -189,7 +198,7 @@ class KVEngine:
         try:
             await self.client.save_slot(slot, name)
             try:
-                data = await asyncio.to_thread(path.read_bytes)
+                data = await asyncio.to_thread(_read_and_remove, path)
             except FileNotFoundError:
                 raise KVTierError(
                     f"llama-server saved slot {slot} but {path} does not exist: --slot-dir must be the "
@@ -197,7 +206,7 @@ class KVEngine:
                 ) from None
             return parse_state(data)
         finally:
-            path.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)  # when saving or reading failed (else already gone: cheap)
 
     # -- before the request ---------------------------------------------------------------------
 
