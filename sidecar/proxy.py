@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
@@ -128,8 +129,10 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
     metrics = request.app[METRICS]
     raw = await request.read()
     try:
-        body: Any = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+        # orjson refuses a little more than json (NaN, lone surrogates, numbers beyond float):
+        # such bodies go to llama-server as they came, like any body kvtier cannot read.
+        body: Any = orjson.loads(raw)
+    except orjson.JSONDecodeError:
         body = None
     # Anything the KV flow cannot serve goes to llama-server as it came, and gets its answer.
     if not isinstance(body, dict) or body.get("cache_prompt") is False or not await engine.ensure_ready():
