@@ -32,6 +32,7 @@ from .upstream import Upstream
 log = logging.getLogger("kvtier.app")
 
 HEALTH_INTERVAL_S = 2.0
+RELAY_KEEPALIVE_S = 4.0  # idle relay connections kept (llama-server closes them after 5 s)
 
 
 def build_store(settings: Settings) -> tuple[TieredStore, Any]:
@@ -65,13 +66,14 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     _remove_stale_files(settings.slot_dir or ".")
     # kvtier's own calls (slot actions, tokenize, props) go through aiohttp; relayed requests
     # through the leaner Upstream. llama-server drops idle keep-alive connections after 5 s;
-    # reusing one it dropped fails the request, so kvtier lets them go first.
+    # aiohttp fails a request sent on one it dropped, so it lets them go after 2 s. Upstream
+    # retries such a request on a new connection, so it keeps them closer to the limit.
     session = aiohttp.ClientSession(
         cookie_jar=aiohttp.DummyCookieJar(),
         timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=None),
         connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S, limit=256),
     )
-    upstream = Upstream(settings.llama_url, keepalive_s=KEEPALIVE_S)
+    upstream = Upstream(settings.llama_url, keepalive_s=RELAY_KEEPALIVE_S)
     store, redis = build_store(settings)
     metrics = app[METRICS]
     metrics.attach_store(store)
