@@ -179,15 +179,23 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
 def upstream_body(raw: bytes, body: Mapping[str, Any], slot: int) -> bytes:
     """The request for llama-server: the client's, pinned to ``slot`` with ``cache_prompt`` on.
 
-    The two keys are appended to the client's bytes when it has neither of them (nor a
-    ``cache_salt``, which stays with kvtier): re-encoding a long prompt would cost milliseconds.
+    The keys are appended to the client's bytes when nothing else changes (no ``id_slot``, no
+    ``cache_salt``, which stays with kvtier, ``cache_prompt`` absent or once and true):
+    re-encoding a long prompt would cost a tenth of a millisecond or more.
     """
     text = raw.strip()
-    if not ({"id_slot", "cache_prompt", "cache_salt"} & body.keys()) and text[:1] == b"{" and text[-1:] == b"}":
-        return text[:-1] + (b"," if body else b"") + b'"id_slot":%d,"cache_prompt":true}' % slot
+    ours = {"id_slot", "cache_prompt", "cache_salt"} & body.keys()
+    if text[:1] == b"{" and text[-1:] == b"}":
+        if not ours:
+            return text[:-1] + (b"," if body else b"") + b'"id_slot":%d,"cache_prompt":true}' % slot
+        if ours == {"cache_prompt"} and body["cache_prompt"] is True and text.count(b'"cache_prompt"') == 1:
+            return text[:-1] + b',"id_slot":%d}' % slot
     forwarded = {k: v for k, v in body.items() if k != "cache_salt"}
     forwarded.update(id_slot=slot, cache_prompt=True)
-    return json.dumps(forwarded).encode()
+    try:
+        return orjson.dumps(forwarded)
+    except TypeError:  # an integer beyond 64 bits
+        return json.dumps(forwarded).encode()
 
 
 def _tenant_salt(request: web.Request, body: Mapping[str, Any]) -> str:

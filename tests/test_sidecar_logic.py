@@ -146,6 +146,10 @@ def test_timings_are_found_in_json_and_sse_tails() -> None:
     b'{"prompt": "x", "id_slot": 3, "cache_prompt": false}',  # the client's keys are overridden
     b'{"prompt": "x", "cache_salt": "tenant-a"}',  # the salt stays with kvtier
     b'\xef\xbb\xbf{"prompt": "x"}',  # a BOM: re-encoded
+    b'{"prompt": [5, 6], "cache_prompt": true}',  # only the slot appended
+    b'{"prompt": "x", "cache_prompt": false, "cache_prompt": true}',  # a key twice: re-encoded once
+    b'{"prompt": "x", "cache\\u005fprompt": true}',  # an escaped key: re-encoded
+    b'{"prompt": "x", "seed": 123456789012345678901234567890}',  # beyond orjson's integers
 ])
 def test_upstream_body_pins_the_slot_and_keeps_the_rest(raw: bytes) -> None:
     body = json.loads(raw)
@@ -153,6 +157,8 @@ def test_upstream_body_pins_the_slot_and_keeps_the_rest(raw: bytes) -> None:
     want = {k: v for k, v in body.items() if k != "cache_salt"} | {"id_slot": 2, "cache_prompt": True}
     pairs = json.loads(out, object_pairs_hook=list)
     assert dict(pairs) == want and len(pairs) == len(want)  # valid JSON, no key twice
+    if b"cache_prompt" in raw and b"false" not in raw and b"\\u005f" not in raw and b"seed" not in raw:
+        assert out == raw[:-1] + b',"id_slot":2}'  # the client's bytes, unchanged before the slot
 
 
 def test_stats_summary_from_metrics_text() -> None:
