@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import glob
 import json
 import logging
@@ -203,6 +204,11 @@ def create_app(settings: Settings) -> web.Application:
 
 def run(settings: Settings) -> None:
     host, port = settings.host_port
+    # What start-up created (modules, classes, the app: ~2/3 of the objects a serving process
+    # tracks) lives as long as the process; frozen, full collections (29 ms pauses seen
+    # mid-request) no longer scan it.
+    gc.collect()
+    gc.freeze()
     web.run_app(create_app(settings), host=host, port=port, shutdown_timeout=settings.shutdown_timeout,
                 access_log=None, print=None, loop=new_event_loop())
 
