@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import uvloop
 
+from sidecar.config import Settings
 from sidecar.upstream import MAX_HEAD, PAUSE_AT, Upstream, UpstreamError
+from tests.servers import free_port
+from tests.sidecars import run_sidecar
 
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 
@@ -274,3 +279,39 @@ def test_requests_that_cannot_be_written_are_refused() -> None:
     for url in ("ftp://x", "http://", "127.0.0.1:8080"):
         with pytest.raises(ValueError):
             Upstream(url, keepalive_s=1)
+
+
+async def test_the_sidecar_answers_502_or_cuts_the_client_off(tmp_path: Path) -> None:
+    """Through a real sidecar: llama-server down or answering garbage gets a JSON 502; an answer
+    that breaks off after it started reaches the client cut, not as a clean (truncated) end."""
+    answers = {
+        b"/garbage": b"SSH-2.0-not-http\r\n\r\n",
+        b"/cut": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n",
+    }
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            path = head.split(b" ")[1]
+            writer.write(answers.get(path, b"HTTP/1.1 503 Unavailable\r\nContent-Length: 0\r\n\r\n"))
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        for url, path in [(f"http://127.0.0.1:{port}", "/garbage"), (f"http://127.0.0.1:{free_port()}", "/slots")]:
+            async with run_sidecar(Settings(llama_url=url, slot_dir=str(tmp_path))) as sc, \
+                    aiohttp.ClientSession() as s, s.get(sc.url + path) as r:
+                assert r.status == 502
+                assert (await r.json())["error"]["type"] == "bad_gateway"
+        async with run_sidecar(Settings(llama_url=f"http://127.0.0.1:{port}", slot_dir=str(tmp_path))) as sc, \
+                aiohttp.ClientSession() as s, s.get(sc.url + "/cut") as r:
+            assert r.status == 200
+            with pytest.raises(aiohttp.ClientPayloadError):  # (an error response written into it hung here)
+                await asyncio.wait_for(r.read(), 10)
+    finally:
+        server.close()
