@@ -14,9 +14,10 @@ tokenization of its new messages, not of the whole history (~1.6 us per token on
 A plain text prompt is a single piece that grows from request to request. For those, a piece that
 shares its start with a remembered one reuses its tokens up to the last word boundary of what
 they share (a space after a non-space, before a letter: byte-level BPE pre-tokenizers always split
-there, and BPE never merges across a split) and tokenizes only the text after it. The token texts' lengths locate the boundary
-in the remembered tokens; kvtier's start-up check and its after-request check (against the tokens
-llama-server saved) stop in-process tokenizing if a vocabulary does not behave so.
+there, and BPE never merges across a split) and tokenizes only the text after it. The token texts'
+lengths locate the boundary in the remembered tokens; kvtier's start-up check and its after-request
+check (against the tokens llama-server saved) stop in-process tokenizing if a vocabulary does not
+behave so.
 """
 
 from __future__ import annotations
@@ -170,6 +171,7 @@ class Vocab:
                 while self._cached_bytes > self._cache_limit:
                     old, _ = self._pieces.popitem(last=False)
                     self._cached_bytes -= len(old)
+                    self._forget_base(old)
         return tokens
 
     def _remember_base(self, piece: bytes) -> None:
@@ -182,6 +184,12 @@ class Vocab:
         else:
             self._bases.move_to_end(head)
         bases.append(piece)
+
+    def _forget_base(self, piece: bytes) -> None:
+        """An evicted piece is no start for others (nor kept alive outside the cache's budget)."""
+        bases = self._bases.get(piece[:HEAD_BYTES]) if len(piece) >= EXTEND_MIN else None
+        if bases is not None and piece in bases:
+            bases.remove(piece)
 
     def _extend(self, piece: bytes) -> np.ndarray | None:
         """``piece``'s tokens from the remembered piece that shares the longest start with it, or None."""

@@ -166,6 +166,15 @@ async def test_growing_texts_are_tokenized_from_their_start(node: Node) -> None:
         assert extended == [False, True, True]
     finally:
         vocab.close()
+    # Pieces the cache lets go are no longer kept as starts either: memory stays within the budget.
+    vocab = Vocab(node.sidecar.engine.prompts.vocab.path, cache_bytes=20_000)  # type: ignore[union-attr]
+    try:
+        for i in range(60):
+            vocab.tokenize(f"Conversation {i}: " + " ".join(f"word{j} of {i}" for j in range(80)))
+        starts = [p for bases in vocab._bases.values() for p in bases]
+        assert starts and all(p in vocab._pieces for p in starts) and sum(map(len, starts)) <= 20_000
+    finally:
+        vocab.close()
     assert word_boundary(b"abc def", 7) == 3 and word_boundary(b"abc  def", 8) == -1
     assert word_boundary(b"a. b1 c", 7) == 5 and word_boundary(b"x" * 3000 + b" y", 3000) == 3000
     assert word_boundary(b"abc def", 2) == -1 and word_boundary(b"", 0) == -1
