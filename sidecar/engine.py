@@ -36,7 +36,7 @@ from .config import Settings
 from .costmodel import CostModel
 from .metrics import Metrics
 from .prompts import Prompt, PromptTokens
-from .slots import Lease, SlotTable, common_prefix
+from .slots import FOLLOW_UP_MAX_CHARS, Asked, Lease, SlotTable, common_prefix
 
 log = logging.getLogger("kvtier.engine")
 
@@ -71,6 +71,8 @@ class Target:
 
 
 SAVE_DELAY_S = 0.01  # between delivering an answer and saving its slot
+NO_TOKENS = np.zeros(0, np.int32)
+NO_TOKENS.flags.writeable = False
 
 
 @dataclass(slots=True)
@@ -88,6 +90,8 @@ class RequestPlan:
     restore_ms: float = 0.0
     overhead_ms: float = 0.0
     fetched: FetchResult | None = None  # promoted into the local tiers after the answer
+    asked: Asked = ()  # what the request asked, remembered with its slot (follow-ups)
+    follow_up: bool = False  # sent to the slot holding what it continues, without tokens
 
 
 class KVEngine:
@@ -214,9 +218,33 @@ class KVEngine:
         """The prompt tokens the server will see, or None when this request is not cacheable."""
         return await self.prompts.prompt_for(kind, body)
 
+    def follow_up(self, body: Mapping[str, Any], asked: Asked, *, want_slot: int | None = None, salt: str = "",
+                  since: float | None = None) -> RequestPlan | None:
+        """A plan for a request that continues what an idle slot answered last, or None.
+
+        Such a request (``slots.continues``: a chat with another last message, or with one answer
+        and one new message; a text prompt with another end) needs nothing from the tiers: they
+        hold no more of it than the slot, unless this very request already ran on another node, and
+        then only its short new end (at most ``FOLLOW_UP_MAX_CHARS`` characters, cheap to compute).
+        So it goes to that slot as it is, without rendering, tokenizing or a lookup.
+        """
+        if self.slots is None or self.target is None:
+            return None
+        if isinstance(asked, tuple) and len(body["messages"][-1]["content"]) > FOLLOW_UP_MAX_CHARS:
+            return None
+        lease = self.slots.follow_up(asked, want=want_slot, owner=salt)
+        if lease is None:
+            return None
+        ns = self.target.namespace.salted(salt) if salt else self.target.namespace
+        plan = RequestPlan(NO_TOKENS, lease, ns, salt, asked=asked, follow_up=True)
+        plan.overhead_ms = (time.perf_counter() - since) * 1000 if since is not None else 0.0
+        self.metrics.overhead_seconds.observe(plan.overhead_ms / 1000)
+        self.metrics.follow_ups.inc()
+        return plan
+
     async def prepare(self, prompt: Prompt, *, want_slot: int | None = None, salt: str = "",
                       timeout: float | None = None, session_id: str | None = None,
-                      since: float | None = None) -> RequestPlan:
+                      since: float | None = None, asked: Asked = ()) -> RequestPlan:
         """Take a slot for ``prompt``'s tokens and restore the longest worthwhile prefix into it.
 
         Args:
@@ -225,6 +253,8 @@ class KVEngine:
             salt: the tenant; it salts the namespace and only its own slots count as cached.
             session_id: restore this session first when it is a prefix of ``tokens`` (and save
                 the request's result under it afterwards).
+            asked: what the request asked (``prompts.asked_of``), remembered with the slot after
+                the answer for its follow-ups.
         """
         assert self.target is not None and self.slots is not None
         t0 = time.perf_counter() if since is None else since
@@ -233,7 +263,7 @@ class KVEngine:
         lease = await self.slots.acquire(tokens, want=want_slot, timeout=timeout, owner=salt)
         self.metrics.slot_queue.set(self.slots.queue_depth)
         ns = self.target.namespace.salted(salt) if salt else self.target.namespace
-        plan = RequestPlan(tokens, lease, ns, salt, session_id, prompt)
+        plan = RequestPlan(tokens, lease, ns, salt, session_id, prompt, asked=asked)
         if session_id is not None:
             self.session_slots[session_id] = lease.slot
         t1 = time.perf_counter()
@@ -404,6 +434,8 @@ class KVEngine:
         if timings is None:
             return
         self.metrics.tokens_recomputed.inc(timings.prompt_n)
+        if plan.follow_up:  # its slot's common prefix is known only now
+            self.metrics.tokens_slot_reused.inc(timings.cache_n)
         self.cost.observe_prefill(timings.prompt_n, timings.prompt_ms)
         if plan.restored_tokens and not prefix_reused(timings, plan.tokens.size, plan.restored_tokens):
             self.metrics.reuse_failures.inc()
@@ -421,16 +453,19 @@ class KVEngine:
             if plan.fetched is not None:
                 fetched, plan.fetched = plan.fetched, None
                 await self.store.promote(fetched)
-            if ok and plan.session_id is not None:
+            if not ok:
+                # Nothing from a failed request is cached; what the slot holds now is unknown.
+                self.slots.set_tokens(plan.lease.slot, np.zeros(0, np.int32))
+                return
+            if plan.session_id is not None:
                 manifest = await self.save_session(plan.lease.slot, plan.namespace, plan.session_id,
                                                    owner=plan.salt)
                 self.prompts.check(plan.prompt, manifest.tokens)
-            elif ok:
+            else:
                 state, _ = await self.save_slot(plan.lease.slot, plan.namespace, owner=plan.salt)
                 self.prompts.check(plan.prompt, state.tokens.tokens)
-            else:
-                # Nothing from a failed request is cached; what the slot holds now is unknown.
-                self.slots.set_tokens(plan.lease.slot, np.zeros(0, np.int32))
+            # After the save, which set the slot's tokens (and so forgot what it answered).
+            self.slots.slots[plan.lease.slot].asked = plan.asked
         except Exception as exc:
             self.metrics.cache_errors.labels("save").inc()
             log.warning("saving slot %d failed: %s", plan.lease.slot, exc)

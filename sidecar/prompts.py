@@ -128,6 +128,25 @@ def plain_chat(body: Mapping[str, Any]) -> list[dict[str, str]] | None:
     return messages
 
 
+def chat_digests(messages: list[dict[str, str]]) -> tuple[int, ...]:
+    """One digest per message (role and content), to recognise a conversation a slot holds.
+
+    Python's string hash (64 bits, salted per process): a collision can only send a request to a
+    slot that holds less of it than thought, which llama-server sees and recomputes.
+    """
+    return tuple(hash((m["role"], m["content"])) for m in messages)
+
+
+def asked_of(kind: str, body: Mapping[str, Any]) -> tuple[int, ...] | str | None:
+    """What a completion request asks, as a slot remembers it for follow-ups (``slots.continues``):
+    a plain chat's message digests, a text prompt itself; None for anything else."""
+    if kind == "chat":
+        messages = plain_chat(body)
+        return chat_digests(messages) if messages is not None else None
+    prompt = body.get("prompt")
+    return prompt if isinstance(prompt, str) and prompt else None
+
+
 class PromptTokens:
     """Turns a completion request into the prompt tokens llama-server will see."""
 

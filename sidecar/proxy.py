@@ -24,6 +24,7 @@ from tiers.sessions import validate_session_id
 
 from .appkeys import ENGINE, METRICS, UPSTREAM
 from .middlewares import json_error, request_id
+from .prompts import asked_of
 from .upstream import UpstreamError, UpstreamResponse
 
 log = logging.getLogger("kvtier.proxy")
@@ -139,34 +140,40 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
         metrics.requests.labels(kind, "passthrough").inc()
         return await passthrough(request, raw)
     started = time.perf_counter()
-    try:
-        prompt = await engine.prompt_for(kind, body)
-    except LlamaServerError as exc:
-        log.info("not cacheable (%s); passing through", exc)
-        prompt = None
-    if prompt is None or prompt.tokens.size == 0:
-        metrics.requests.labels(kind, "passthrough").inc()
-        return await passthrough(request, raw)
     session_id = request.headers.get("X-Session-Id")
-    if session_id is not None:
-        try:
-            validate_session_id(session_id)
-        except ValueError as exc:
-            return json_error(400, f"X-Session-Id: {exc}")
     want = body.get("id_slot")
     want = want if isinstance(want, int) and not isinstance(want, bool) and 0 <= want < engine.target.n_slots else None  # type: ignore[union-attr]
     salt = _tenant_salt(request, body)
-    plan = await engine.prepare(prompt, want_slot=want, salt=salt, session_id=session_id, since=started)
-    tokens = plan.tokens
+    asked = asked_of(kind, body)
+    plan = None
+    if asked is not None and session_id is None:
+        plan = engine.follow_up(body, asked, want_slot=want, salt=salt, since=started)
+    if plan is None:
+        try:
+            prompt = await engine.prompt_for(kind, body)
+        except LlamaServerError as exc:
+            log.info("not cacheable (%s); passing through", exc)
+            prompt = None
+        if prompt is None or prompt.tokens.size == 0:
+            metrics.requests.labels(kind, "passthrough").inc()
+            return await passthrough(request, raw)
+        if session_id is not None:
+            try:
+                validate_session_id(session_id)
+            except ValueError as exc:
+                return json_error(400, f"X-Session-Id: {exc}")
+        plan = await engine.prepare(prompt, want_slot=want, salt=salt, session_id=session_id, since=started,
+                                    asked=asked or ())
     relay = Relay()
     try:
         headers = {
             "X-KVTier-Slot": str(plan.lease.slot),
-            "X-KVTier-Prompt-Tokens": str(tokens.size),
             "X-KVTier-Restored-Tokens": str(plan.restored_tokens),
             "X-KVTier-Restore-Tier": plan.restore_tier or "none",
-            "X-KVTier-Slot-Cached-Tokens": str(plan.lease.cached_tokens),
         }
+        if not plan.follow_up:  # a follow-up's tokens are not computed: its timings tell them
+            headers["X-KVTier-Prompt-Tokens"] = str(plan.tokens.size)
+            headers["X-KVTier-Slot-Cached-Tokens"] = str(plan.lease.cached_tokens)
         response = await _relay(request, upstream_body(raw, body, plan.lease.slot), headers, relay, capture=True)
         metrics.requests.labels(kind, "ok" if relay.ok else "upstream_error").inc()
         return response

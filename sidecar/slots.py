@@ -25,6 +25,28 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
     return int(diff[0]) if diff.size else n
 
 
+# What a request asked, as far as follow-ups go: a chat's message digests, or a text prompt.
+Asked = tuple[int, ...] | str
+# How much a follow-up may add to what its slot answered: a chat's last message, a text's end.
+FOLLOW_UP_MAX_CHARS = 512
+
+
+def continues(held: Asked, asked: Asked) -> bool:
+    """Whether request ``asked`` differs from the one a slot answered (``held``) only in its end:
+
+    - chats (message digests): the same earlier messages and another (or the same) last one, or
+      ``held`` followed by one answer and one new message; at least one earlier message shared
+      (how long the new message may be is the caller's check);
+    - text prompts: all of ``asked`` but its last ``FOLLOW_UP_MAX_CHARS`` characters starts ``held``.
+    """
+    if isinstance(held, str) or isinstance(asked, str):
+        keep = len(asked) - FOLLOW_UP_MAX_CHARS
+        return isinstance(held, str) and isinstance(asked, str) and keep > 0 and held.startswith(asked[:keep])
+    if len(asked) == len(held):
+        return len(asked) >= 2 and asked[:-1] == held[:-1]
+    return bool(held) and len(asked) == len(held) + 2 and asked[: len(held)] == held
+
+
 @dataclass(slots=True)
 class Slot:
     id: int
@@ -33,6 +55,7 @@ class Slot:
     last_used: float = 0.0
     owner: str = ""  # tenant salt of what the slot holds: another tenant's tokens never count
     served: bool = False  # has run a completion since llama-server started (it reports a count then)
+    asked: Asked = ()  # the request whose answer the slot holds (forgotten with its tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +131,22 @@ class SlotTable:
             raise
         return Lease(lease.slot, lease.cached_tokens, self._clock() - t0, lease.foreign)
 
+    def follow_up(self, asked: Asked, *, want: int | None = None, owner: str = "") -> Lease | None:
+        """The idle slot holding the request that ``asked`` continues (see ``continues``), taken
+        now; None when there is none or other requests are waiting (they keep their turn).
+
+        The lease's ``cached_tokens`` is 0: what the slot shares with the new prompt is not computed.
+        """
+        if self._waiters:
+            return None
+        for s in self.slots:
+            if (not s.busy and s.asked and s.owner == owner and (want is None or s.id == want)
+                    and continues(s.asked, asked)):
+                s.busy = True
+                s.last_used = self._clock()
+                return Lease(s.id, 0, 0.0)
+        return None
+
     def try_acquire(self, slot: int) -> bool:
         """Take a specific idle slot without waiting (False when busy)."""
         s = self.slots[slot]
@@ -139,6 +178,7 @@ class SlotTable:
 
     def set_tokens(self, slot: int, tokens: np.ndarray, owner: str | None = None) -> None:
         self.slots[slot].tokens = np.asarray(tokens, dtype=np.int32)
+        self.slots[slot].asked = ()
         if owner is not None:
             self.slots[slot].owner = owner
 
@@ -149,3 +189,4 @@ class SlotTable:
         """After llama-server restarted: no slot holds anything any more."""
         for s in self.slots:
             s.tokens = np.zeros(0, dtype=np.int32)
+            s.asked = ()

@@ -185,6 +185,7 @@ async def test_growing_texts_are_tokenized_from_their_start(node: Node) -> None:
 async def test_requests_use_in_process_prompts_and_their_checks_pass(node: Node) -> None:
     sc = node.sidecar
     before = sc.metric("kvtier_prompt_seconds_count", way="in_process")
+    follow_ups = sc.metric("kvtier_follow_ups_total")
     history = [{"role": "system", "content": "You list colours."}]
     for question in ("Name a colour.", "And another one?"):
         ans = await post(sc.url + "/v1/chat/completions",
@@ -196,11 +197,12 @@ async def test_requests_use_in_process_prompts_and_their_checks_pass(node: Node)
     ans = await post(sc.url + "/completion", {"prompt": "Colours: red, green,", "n_predict": 4, "temperature": 0})
     assert ans.status == 200
     await sc.engine.drain(30)
-    assert sc.metric("kvtier_prompt_seconds_count", way="in_process") == before + 3
+    # The second turn continues the conversation its slot holds: sent there without tokens.
+    assert sc.metric("kvtier_prompt_seconds_count", way="in_process") == before + 2
+    assert sc.metric("kvtier_follow_ups_total") == follow_ups + 1
     assert sc.metric("kvtier_prompt_mismatches_total", step="render") == 0
     assert sc.metric("kvtier_prompt_mismatches_total", step="tokenize") == 0
     assert sc.engine.prompts.render_here and sc.engine.prompts.tokenize_here
-    # The second turn reused the first turn's tokens: the in-process tokens were the server's.
     assert sc.metric("kvtier_prompt_in_process", step="tokenize") == 1
 
 

@@ -18,7 +18,7 @@ import redis
 
 from sidecar.config import Settings
 from tests.servers import LlamaServer, RedisProc, llama_server
-from tests.sidecars import Sidecar, post, post_stream, run_sidecar, stream_text
+from tests.sidecars import Answer, Sidecar, post, post_stream, run_sidecar, stream_text
 
 pytestmark = pytest.mark.llama
 
@@ -108,6 +108,74 @@ async def test_conversation_hops_nodes_and_matches_one_node(cluster: Cluster) ->
     assert third.prompt_n <= int(third.headers["X-KVTier-Prompt-Tokens"]) - reused + 1
     assert third.prompt_n < 60 + CHUNK  # the new turn (~40 tokens) and at most a chunk's remainder
     assert c.b.metric("kvtier_restore_not_reused_total") == 0
+
+
+async def test_chat_follow_ups_go_to_their_slot_untokenized_and_match_one_node(cluster: Cluster) -> None:
+    """A chat that continues the conversation a slot holds is sent there without being tokenized;
+    one that continues it with turns served elsewhere, has a long new message, or comes from
+    another tenant takes the full path. Every answer is one node's."""
+    c = cluster
+    system = "You answer questions about these boxes. " + DOC[:400]
+    questions = ["How many marbles does box 2 hold?", "What colour is box 3?", "And box 4?", "Is box 5 red?"]
+
+    def turn(history: list[dict[str, str]], q: str, **extra: object) -> dict[str, object]:
+        return {"messages": [{"role": "system", "content": system}, *history, {"role": "user", "content": q}],
+                "max_tokens": 8, "temperature": 0, **extra}
+
+    async def both(node: Sidecar, body: dict[str, object], **kw: dict[str, str]) -> tuple[Answer, bool]:
+        expected = await post(c.direct.url + "/v1/chat/completions", body)
+        before = node.metric("kvtier_follow_ups_total")
+        ans = await post(node.url + "/v1/chat/completions", body, **kw)
+        assert ans.status == 200 and ans.content == expected.content, (ans.text, expected.text)
+        await settle(node)
+        follow_up = node.metric("kvtier_follow_ups_total") == before + 1
+        assert follow_up == ("X-KVTier-Prompt-Tokens" not in ans.headers), ans.headers
+        return ans, follow_up
+
+    history: list[dict[str, str]] = []
+    kinds = []
+    for node, q in zip([c.a, c.a, c.a], questions):
+        ans, follow_up = await both(node, turn(history, q))
+        kinds.append(follow_up)
+        if follow_up:  # only the new turn computed: what the slot held was reused
+            assert ans.restored == 0 and ans.prompt_n < 40, ans.body["timings"]
+        history += [{"role": "user", "content": q}, {"role": "assistant", "content": ans.content}]
+    assert kinds == [False, True, True]  # turns 2 and 3 continue what A's slot holds
+    # Another last question on the same history (A's slot holds turn 3): a follow-up too.
+    ans, follow_up = await both(c.a, turn(history[:-2], "What colour is box 6?"))
+    assert follow_up and ans.prompt_n < 40
+    # Turn 4 on B, which never saw the conversation; then turn 5 back on A, whose slot lacks B's
+    # turn: both take the full path (the tiers may hold what the slot lacks).
+    for node, q in ((c.b, questions[3]), (c.a, "How many boxes are white?")):
+        ans, follow_up = await both(node, turn(history, q))
+        assert not follow_up
+        history += [{"role": "user", "content": q}, {"role": "assistant", "content": ans.content}]
+    # A long new message is tokenized (the tiers could hold more of it than the slot).
+    _, follow_up = await both(c.a, turn(history, "Summarise: " + DOC[:600]))
+    assert not follow_up
+    # Another tenant never continues this tenant's slot.
+    _, follow_up = await both(c.a, turn(history[:-2], "Is box 7 green?"), headers={"X-KVTier-Salt": "tenant-x"})
+    assert not follow_up
+
+
+async def test_text_follow_ups_go_to_their_slot_untokenized(cluster: Cluster) -> None:
+    c = cluster
+    doc = "Stock list. " + DOC[:900]
+    answers = []
+    for node, q in ((c.a, "Box 2?"), (c.a, "How many marbles does box 4 hold?"), (c.b, "Box 6?")):
+        body = {"prompt": f"{doc}\nQuestion: {q}\nAnswer:", "n_predict": 6, "temperature": 0}
+        expected = (await post(c.direct.url + "/completion", body)).content
+        before = node.metric("kvtier_follow_ups_total")
+        ans = await post(node.url + "/completion", body)
+        assert ans.status == 200 and ans.content == expected
+        await settle(node)
+        answers.append((ans, node.metric("kvtier_follow_ups_total") - before))
+    (first, n1), (second, n2), (third, n3) = answers
+    assert (n1, n2, n3) == (0, 1, 0)
+    # The same document with another question went to the slot holding it: only the question computed.
+    assert "X-KVTier-Prompt-Tokens" not in second.headers and second.prompt_n < 20, second.body["timings"]
+    # On B, which never saw it, the document is restored from Redis.
+    assert third.restored > 0 and third.headers["X-KVTier-Restore-Tier"] == "redis"
 
 
 async def test_streaming_and_completion_endpoints(cluster: Cluster) -> None:

@@ -15,7 +15,8 @@ from sidecar.config import Settings, load_settings, redact_url
 from sidecar.costmodel import CostModel
 from sidecar.metrics import Metrics
 from sidecar.proxy import upstream_body
-from sidecar.slots import SlotTable, common_prefix
+from sidecar.prompts import chat_digests
+from sidecar.slots import FOLLOW_UP_MAX_CHARS, SlotTable, common_prefix, continues
 from tiers.errors import ConfigError
 
 
@@ -87,6 +88,61 @@ async def test_waiting_for_a_specific_slot_times_out_and_cancels_cleanly() -> No
     table.release(held.slot)
     with pytest.raises(ValueError):
         await table.acquire(arr(1), want=5)
+
+
+def test_a_request_continues_a_held_one_by_its_end_only() -> None:
+    def msgs(*texts: str) -> tuple[int, ...]:
+        roles = ["system", "user", "assistant", "user", "assistant", "user"]
+        return chat_digests([{"role": roles[i], "content": t} for i, t in enumerate(texts)])
+
+    held = msgs("sys", "q1")
+    assert continues(held, msgs("sys", "q1"))  # asked again (regenerated)
+    assert continues(held, msgs("sys", "q2"))  # another last question on the same history
+    assert continues(held, msgs("sys", "q1", "a1", "q2"))  # the next turn: the answer and a new message
+    assert not continues(held, msgs("sys2", "q1"))  # another history
+    assert not continues(held, msgs("sys", "q2", "a1", "q3"))  # not the held last message
+    assert not continues(held, msgs("sys", "q1", "a1", "q2", "a2", "q3"))  # turns served elsewhere since
+    assert not continues(held, msgs("sys"))
+    assert not continues(msgs("q1"), msgs("q2"))  # nothing shared but the role
+    assert continues(msgs("q1"), msgs("q1", "a1", "q2"))
+    assert not continues((), msgs("q1")) and not continues((), ())
+    # A digest covers role and content alike.
+    assert chat_digests([{"role": "user", "content": "x"}]) != chat_digests([{"role": "system", "content": "x"}])
+    # Text prompts: all but a short end of the new prompt must start the held one.
+    doc = "Document. " * 100
+    assert continues(doc + "Question 1?", doc + "Question 2, a longer one?")
+    assert continues(doc + "Q1?", doc + "Q1?") and continues(doc, doc + "x" * FOLLOW_UP_MAX_CHARS)
+    assert not continues(doc, doc + "x" * (FOLLOW_UP_MAX_CHARS + 1))  # too much new text
+    assert not continues("x" + doc, doc + "Q?") and not continues(doc[:400], doc)
+    assert not continues("Q1?", "Q2?")  # short prompts take the full path
+    assert not continues(doc, held) and not continues(held, doc)  # a text never continues a chat
+
+
+async def test_follow_up_takes_only_an_idle_slot_of_the_same_tenant_holding_the_chat() -> None:
+    table = SlotTable(2)
+    chat = (1, 2)
+    assert table.follow_up(chat) is None  # no slot holds a chat
+    table.set_tokens(1, arr(5, 6, 7), owner="t")
+    table.slots[1].asked = chat
+    assert table.follow_up((1, 3)) is None  # another tenant (the default, "") must not use it
+    assert table.follow_up((1, 3), owner="t", want=0) is None  # not the slot asked for
+    lease = table.follow_up((1, 3), owner="t")
+    assert lease is not None and lease.slot == 1 and table.slots[1].busy
+    assert table.follow_up((1, 3), owner="t") is None  # busy
+    table.release(1)
+    # Waiting requests keep their turn: no follow-up jumps the queue.
+    held = await table.acquire(arr(9), want=1)
+    waiter = asyncio.create_task(table.acquire(arr(9), want=1))
+    await asyncio.sleep(0)
+    assert table.queue_depth == 1
+    table.slots[1].busy = False  # idle for a moment, its waiter not woken yet
+    assert table.follow_up((1, 3), owner="t") is None
+    table.slots[1].busy = True
+    table.release(held.slot)
+    table.release((await waiter).slot)
+    # New tokens (a restore, a save, a failure) make the slot forget its chat.
+    table.set_tokens(1, arr(5, 6, 7, 8), owner="t")
+    assert table.slots[1].asked == () and table.follow_up((1, 3), owner="t") is None
 
 
 def test_cost_model_restores_only_when_faster() -> None:
