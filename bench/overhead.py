@@ -13,10 +13,14 @@ sends the same request straight to llama-server and through the sidecar, in alte
     completion   ``/completion`` with a text prompt (the sidecar tokenizes all of it)
     tokens       ``/completion`` with a token-id prompt (nothing to tokenize)
     chat         ``/v1/chat/completions``: the held text as the first user message, a short
-                 answer, and the new question (the sidecar renders the template; with its piece
-                 cache it tokenizes only what is new)
+                 answer, and the new question: the same history as the slot's last chat with
+                 another last question, which the sidecar sends to that slot without rendering or
+                 tokenizing it (a follow-up)
+    chat_new_history  the same with the new text as the answer and a fixed last question: the
+                 history differs from the slot's last chat, so the sidecar renders and tokenizes
 
-How the sidecar learned the tokens (in-process or by asking llama-server) is reported per kind.
+How the sidecar learned the tokens (in-process, by asking llama-server, or not at all for a
+follow-up) is reported per kind.
 Between two requests the benchmark waits until the sidecar's background save of the slot has
 finished (``kvtier_pending_saves`` 0), as it would between turns of a conversation; the
 ``back-to-back`` row sends sidecar requests without that pause, so each waits for the save the
@@ -62,16 +66,18 @@ from .common import (
     write_json,
 )
 
-KINDS = ("completion", "tokens", "chat")
+KINDS = ("completion", "tokens", "chat", "chat_new_history")
 
 
 def request_for(kind: str, tokens: list[int], text: str, tail: str = "",
                 tail_tokens: list[int] | None = None) -> tuple[str, dict[str, Any]]:
     """The request of one pair: the held prompt plus ``tail`` (``tail_tokens`` for token ids)."""
-    if kind == "chat":
+    if kind.startswith("chat"):
         messages = [{"role": "user", "content": text}]
-        if tail:
+        if tail and kind == "chat":
             messages += [{"role": "assistant", "content": "Noted."}, {"role": "user", "content": tail.strip()}]
+        elif tail:  # the new text in an earlier message: not a follow-up of the slot's last chat
+            messages += [{"role": "assistant", "content": tail.strip()}, {"role": "user", "content": "Go on."}]
         return "/v1/chat/completions", {"messages": messages, "max_tokens": 1, "temperature": 0}
     prompt: Any = tokens + (tail_tokens or []) if kind == "tokens" else text + tail
     return "/completion", {"prompt": prompt, "n_predict": 1, "temperature": 0, "cache_prompt": True}
@@ -203,6 +209,7 @@ def _kind_result(direct: list[float], side: list[float], before: Samples, after:
     q90 = histogram_quantile(before, after, "kvtier_overhead_seconds", 0.9)
     ways = {way: int(delta(after, before, "kvtier_prompt_seconds_count", way=way))
             for way in ("ids", "in_process", "llama_server")}
+    ways["follow_up"] = int(metric(after, "kvtier_follow_ups_total") - metric(before, "kvtier_follow_ups_total"))
     p50_delta = round(percentile(side, 50) - percentile(direct, 50), 2)
     return {
         "direct_ms": summary(direct, 2), "sidecar_ms": summary(side, 2),
@@ -238,7 +245,8 @@ HEADERS = ["request", "direct p50 ms", "direct p90 ms", "sidecar p50 ms", "sidec
 
 
 def _ways(ways: dict[str, int]) -> str:
-    names = {"ids": "given", "in_process": "in kvtier", "llama_server": "asked llama-server"}
+    names = {"ids": "given", "in_process": "in kvtier", "llama_server": "asked llama-server",
+             "follow_up": "not needed (follow-up)"}
     return ", ".join(names.get(w, w) for w, n in ways.items() if n) or "-"
 
 

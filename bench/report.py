@@ -800,7 +800,9 @@ def _md_others(other: dict[str, Any]) -> str:
                    f"minus llama-server's `prompt_ms + predicted_ms` (which jitter by several ms here, alike on both "
                    f"paths), sidecar p50 minus direct p50; the target is judged on it. *sidecar's own*: the mean of "
                    f"its `kvtier_overhead_seconds` histogram (its time before forwarding, prompt tokens included). "
-                   f"*prompt tokens*: given by the client, computed in kvtier, or asked of llama-server.\n\n")
+                   f"*prompt tokens*: given by the client, computed in kvtier, asked of llama-server, or not "
+                   f"needed (a follow-up: the request continues what its slot answered last and goes there "
+                   f"untokenized; `chat_new_history` changes an earlier message, so it is tokenized).\n\n")
         out.append(md_table(HEADERS, ov_rows(ov)) + "\n")
     else:
         out.append("- `kvtier bench overhead --json bench/results/overhead.json`: not run for this page.\n")
