@@ -26,6 +26,9 @@ MAX_HEADERS = 128
 MAX_CHUNK_LINE = 1024  # a chunk-size line, extensions included
 PAUSE_AT = 1 << 20  # body bytes buffered before reading from the socket pauses
 MAX_IDLE = 32  # idle connections kept
+# Requests in flight at once (each holds a connection until its answer is read or dropped); more
+# wait their turn rather than open ever more sockets to llama-server (which queues them anyway).
+MAX_ACTIVE = 256
 
 _STATUS_RE = re.compile(rb"HTTP/1\.([01]) (\d{3})(?: (.*))?")
 _TOKEN_RE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -39,7 +42,8 @@ class UpstreamError(Exception):
 class Upstream:
     """Kept-alive connections to one HTTP server (llama-server)."""
 
-    def __init__(self, base_url: str, *, keepalive_s: float, connect_timeout: float = 10.0) -> None:
+    def __init__(self, base_url: str, *, keepalive_s: float, connect_timeout: float = 10.0,
+                 max_active: int = MAX_ACTIVE) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {base_url!r}")
@@ -52,6 +56,7 @@ class Upstream:
         self.keepalive_s = keepalive_s
         self.connect_timeout = connect_timeout
         self._idle: collections.deque[_Connection] = collections.deque()
+        self._active = asyncio.Semaphore(max_active)
         self._closed = False
 
     async def request(self, method: str, target: str, headers: Iterable[tuple[str, str]],
@@ -60,8 +65,20 @@ class Upstream:
 
         ``target`` is the path and query as the client sent them. A kept connection that turns
         out to be closed by the server before any byte of an answer is retried once on a new one.
+        Waits while ``max_active`` answers are being read; the answer holds its turn until it is
+        released or closed.
         """
         data = self._encode(method, target, headers, body)
+        await self._active.acquire()
+        try:
+            response = await self._exchange(method, data)
+        except BaseException:
+            self._active.release()
+            raise
+        response.holds_turn = True
+        return response
+
+    async def _exchange(self, method: str, data: bytes) -> UpstreamResponse:
         for attempt in (0, 1):
             conn = self._take_idle()
             reused = conn is not None
@@ -213,6 +230,7 @@ class UpstreamResponse:
         self._paused = False
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future[None] | None = None
+        self.holds_turn = False  # one of the client's max_active turns, given back with the connection
 
     @property
     def complete(self) -> bool:
@@ -390,8 +408,14 @@ class UpstreamResponse:
     async def read(self) -> bytes:
         return b"".join([piece async for piece in self.iter_any()])
 
+    def _end_turn(self) -> None:
+        if self.holds_turn:
+            self.holds_turn = False
+            self._upstream._active.release()
+
     def release(self) -> None:
         """Give the connection back: kept for the next request after a whole answer, else closed."""
+        self._end_turn()
         conn, self._conn = self._conn, None
         if conn is None:
             return
@@ -403,6 +427,7 @@ class UpstreamResponse:
 
     def close(self) -> None:
         """Drop the connection (llama-server then stops generating this answer)."""
+        self._end_turn()
         conn, self._conn = self._conn, None
         if conn is not None:
             conn.response = None

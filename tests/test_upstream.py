@@ -66,13 +66,13 @@ class ScriptedServer:
 
 
 def run(loop: str, answers: list[Answer], body: Callable[[Upstream, ScriptedServer], Awaitable[Any]],
-        close_after: bool = False, keepalive_s: float = 30.0) -> ScriptedServer:
+        close_after: bool = False, keepalive_s: float = 30.0, max_active: int = 256) -> ScriptedServer:
     server_script = ScriptedServer(answers, close_after)
 
     async def main() -> None:
         server = await asyncio.start_server(server_script.handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        upstream = Upstream(f"http://127.0.0.1:{port}", keepalive_s=keepalive_s)
+        upstream = Upstream(f"http://127.0.0.1:{port}", keepalive_s=keepalive_s, max_active=max_active)
         try:
             await asyncio.wait_for(body(upstream, server_script), 10)
         finally:
@@ -266,6 +266,40 @@ def test_closing_mid_answer_closes_the_connection(loop: str) -> None:
 
     run(loop, [[b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nfirst\r\n",
                 b"6\r\nsecond\r\n", b"0\r\n\r\n"]], body)
+
+
+def test_requests_beyond_max_active_wait_for_a_turn(loop: str) -> None:
+    order: list[str] = []
+
+    async def body(upstream: Upstream, server: ScriptedServer) -> None:
+        async def one(name: str) -> None:
+            status, data, _ = await post(upstream)
+            order.append(f"{name} {status} {data.decode()}")
+
+        first = asyncio.create_task(one("first"))
+        await asyncio.sleep(0.002)  # the first holds the only turn while its answer trickles in
+        second = asyncio.create_task(one("second"))
+        await asyncio.gather(first, second)
+        # A waiter given up while waiting, and requests that fail, give their turn back.
+        held = await upstream.request("GET", "/", [], b"")
+        waiting = asyncio.create_task(upstream.request("GET", "/", [], b""))
+        await asyncio.sleep(0.01)
+        assert held.status == 200 and not waiting.done()
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        await held.read()
+        held.release()
+        for _ in range(2):
+            with pytest.raises(UpstreamError):
+                await upstream.request("GET", "/", [], b"")
+        status, _, _ = await post(upstream)
+        assert status == 200
+
+    slow = [b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\n", b"sl", b"ow"]
+    server = run(loop, [slow, ok(b"fast"), ok(b""), None, None, None, ok(b"")], body, max_active=1)
+    assert order == ["first 200 slow", "second 200 fast"]
+    # The second waited, then reused the first's connection (which the failures closed later).
+    assert server.connections == 4
 
 
 def test_requests_that_cannot_be_written_are_refused() -> None:
