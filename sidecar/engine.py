@@ -111,6 +111,7 @@ class KVEngine:
         self._pending: set[asyncio.Task[None]] = set()
         self._resynced: dict[int, int] = {}  # slot -> llama-server's token count when last read again
         self._kept_files: dict[int, int] = {}  # slot -> bytes of its restore file left in the slot dir
+        self._tails: dict[int, tuple[bytes, int]] = {}  # slot -> (key, end) of the tail it stored or restored last
         self._restore_locks: dict[int, asyncio.Lock] = {}
         self.last_error = ""
         self._server_signature: tuple[str, ...] = ()
@@ -337,13 +338,25 @@ class KVEngine:
             return
         chain = prefix_chain(plan.namespace, plan.tokens, max_chunks)
         found = await self.store.lookup_chain(plan.namespace, chain)
-        gain = found.matched_tokens - cached
+        tail = None
+        if found.n_chunks:
+            # The cells a saved slot held after its last full chunk, when this prompt continues them.
+            room = min(C - 1, plan.tokens.size - 1 - found.matched_tokens)
+            if self.target.n_ctx_slot:
+                room = min(room, self.target.n_ctx_slot - 1 - found.matched_tokens)
+            if room > 0:
+                start = found.matched_tokens
+                tail = await self.store.lookup_tail(plan.namespace, found.chunks[-1],
+                                                    plan.tokens[start: start + room])
+        gain = found.matched_tokens + (tail.n_tokens if tail else 0) - cached
         if gain <= 0:
             return
         chunk_bytes = C * self.target.bytes_per_token
         by_tier: dict[str, int] = {}
         for tier in found.tiers:
             by_tier[tier] = by_tier.get(tier, 0) + chunk_bytes
+        if tail is not None:
+            by_tier[tail.tier] = by_tier.get(tail.tier, 0) + tail.n_tokens * self.target.bytes_per_token
         decision = self.cost.decide(gain, by_tier)
         self.metrics.decisions.labels("restore" if decision.restore else "recompute").inc()
         if not decision.restore:
@@ -351,26 +364,43 @@ class KVEngine:
                      decision.reason, decision.predicted_recompute_s * 1e3, decision.predicted_restore_s * 1e3)
             return
         t0 = time.perf_counter()
-        fetched = await self.store.fetch(plan.namespace, found.chunks, promote=False)
-        if fetched.n_tokens <= cached:
+        fetching = self.store.fetch(plan.namespace, found.chunks, promote=False)
+        if tail is None:
+            fetched, tail_payload = await fetching, None
+        else:
+            fetched, tail_payload = await asyncio.gather(
+                fetching, self.store.get_verified(tail.key, tail.hash, plan.namespace))
+        payloads = list(fetched.payloads)
+        n_tokens = fetched.n_tokens
+        tiers = set(fetched.tiers)
+        if tail is not None and tail_payload is not None and fetched.n_chunks == found.n_chunks:
+            payloads.append(tail_payload)
+            n_tokens += tail.n_tokens
+            tiers.add(tail.tier)
+        else:
+            tail = None  # gone, damaged, or after a chunk that is: the chunks alone
+        if n_tokens <= cached:
             self.metrics.restores.labels("none", "miss").inc()
             return
-        self.metrics.restore_phase_seconds.labels("fetch").observe(fetched.seconds)
+        self.metrics.restore_phase_seconds.labels("fetch").observe(time.perf_counter() - t0)
         for tier in set(fetched.tiers):
             share = fetched.tiers.count(tier) / max(fetched.n_chunks, 1)
             self.cost.observe_fetch(tier, int(fetched.bytes_read * share), fetched.seconds * share)
-        nbytes, restore_s = await self._restore_payloads(plan.lease.slot, fetched.payloads, plan.tokens)
+        nbytes, restore_s = await self._restore_payloads(plan.lease.slot, payloads, plan.tokens)
         self.cost.observe_restore(nbytes, restore_s)
-        self.slots.set_tokens(plan.lease.slot, plan.tokens[: fetched.n_tokens].copy(), owner=plan.salt)
+        self.slots.set_tokens(plan.lease.slot, plan.tokens[:n_tokens].copy(), owner=plan.salt)
+        if tail is not None:
+            self._tails[plan.lease.slot] = (tail.key, n_tokens)
+            self.metrics.tails.labels("restored").inc()
         plan.fetched = fetched
-        plan.restored_tokens = fetched.n_tokens
-        plan.restore_tier = max(set(fetched.tiers), key=[t.name for t in self.store.tiers].index)
+        plan.restored_tokens = n_tokens
+        plan.restore_tier = max(tiers, key=[t.name for t in self.store.tiers].index)
         plan.restore_ms = (time.perf_counter() - t0) * 1000
         self.metrics.restores.labels(plan.restore_tier, "ok").inc()
         self.metrics.restore_seconds.observe(plan.restore_ms / 1000)
         self.metrics.bytes_restored.inc(nbytes)
-        self.metrics.tokens_restored.inc(fetched.n_tokens - cached)
-        log.info("slot %d: restored %d tokens from %s in %.1f ms", plan.lease.slot, fetched.n_tokens,
+        self.metrics.tokens_restored.inc(n_tokens - cached)
+        log.info("slot %d: restored %d tokens from %s in %.1f ms", plan.lease.slot, n_tokens,
                  plan.restore_tier, plan.restore_ms)
 
     async def _restore_payloads(self, slot: int, payloads: list[Any], tokens: np.ndarray) -> tuple[int, float]:
@@ -505,6 +535,7 @@ class KVEngine:
         t0 = time.perf_counter()
         state = await self._save_and_read(slot, "save")
         tokens = state.tokens.tokens
+        previous = self.slots.tokens(slot)
         self.slots.set_tokens(slot, tokens.copy(), owner=owner)
         result = None
         if state.splittable:
@@ -523,6 +554,7 @@ class KVEngine:
                     await self._publish_stored(namespace, keys)
             result = await self.store.store(namespace, chain, payload, announce=announce)
             self.metrics.bytes_saved.inc(result.bytes_encoded)
+            await self._store_tail(slot, namespace, state, chain, previous, announce)
         elif state.n_tokens and not self._warned_unsplittable:
             # Prefix restore needs chunks; such states are kept only by explicit session saves.
             self._warned_unsplittable = True
@@ -530,6 +562,27 @@ class KVEngine:
                         state.split_reason)
         self.metrics.save_seconds.observe(time.perf_counter() - t0)
         return state, result
+
+    async def _store_tail(self, slot: int, namespace: Namespace, state: SeqState, chain: list[Any],
+                          previous: np.ndarray, announce: Any) -> None:
+        """Store the cells a saved slot holds after its last full chunk, so that a prompt continuing
+        this state on another node restores them too instead of recomputing up to a chunk's worth;
+        delete the tail this slot stored or restored before once this state holds all of it and more."""
+        C = namespace.chunk_tokens
+        tokens = state.tokens.tokens
+        start = len(chain) * C
+        key = None
+        if chain and tokens.size > start:
+            tail = split_state(state, C, first_chunk=len(chain), tail=True).tail
+            assert tail is not None
+            key = await self.store.store_tail(namespace, chain[-1], tokens[start:], tail, announce=announce)
+            self.metrics.tails.labels("stored").inc()
+        old = self._tails.pop(slot, None)
+        if key is not None:
+            self._tails[slot] = (key, int(tokens.size))
+        if old is not None and old[0] != key and tokens.size > old[1] and common_prefix(previous, tokens) >= old[1]:
+            await self.store.delete_everywhere([old[0]])
+            self.metrics.tails.labels("deleted").inc()
 
     async def _publish_stored(self, namespace: Namespace, keys: list[bytes]) -> None:
         """Tell peers (pre-warming) which chunks Redis holds now; sent once they are written."""

@@ -53,6 +53,8 @@ class Metrics:
         self.requests = Counter("kvtier_requests", "Completion requests by path and outcome", ["path", "outcome"], registry=r)
         self.tokens_restored = Counter("kvtier_tokens_restored", "Prompt tokens restored from the tiers", registry=r)
         self.tokens_recomputed = Counter("kvtier_tokens_recomputed", "Prompt tokens llama-server computed (prompt_n)", registry=r)
+        self.tails = Counter("kvtier_tails", "Partial tails (a saved slot's cells after its last full chunk): "
+                             "stored, restored, deleted (superseded by a longer state)", ["event"], registry=r)
         self.follow_ups = Counter("kvtier_follow_ups", "Chats sent to the slot holding their conversation without "
                                   "tokenizing them (nothing to restore)", registry=r)
         self.tokens_slot_reused = Counter("kvtier_tokens_slot_reused", "Prompt tokens already in the chosen slot", registry=r)

@@ -178,6 +178,42 @@ async def test_text_follow_ups_go_to_their_slot_untokenized(cluster: Cluster) ->
     assert third.restored > 0 and third.headers["X-KVTier-Restore-Tier"] == "redis"
 
 
+async def test_a_hop_restores_the_partial_tail_too_and_never_a_damaged_one(cluster: Cluster) -> None:
+    """The cells after the last full chunk of A's saved slot come back on B with the chunks; a
+    damaged tail is never restored (the chunks alone are); B's longer state supersedes A's tail."""
+    from tiers.codec import HEADER_SIZE
+
+    c = cluster
+    r = redis.Redis(port=c.redis.port)
+    for damaged, doc in ((True, "Tail test one. " + DOC[:640]), (False, "Tail test two. " + DOC[100:760])):
+        first = {"prompt": f"{doc}\nQuestion: which box is blue?\nAnswer:", "n_predict": 8, "temperature": 0}
+        ans = await post(c.a.url + "/completion", first)
+        assert ans.status == 200
+        await settle(c.a)
+        slot = int(ans.headers["X-KVTier-Slot"])
+        held = c.a.engine.slots.tokens(slot).size
+        key, end = c.a.engine._tails[slot]
+        assert end == held and held % CHUNK and r.exists(key)
+        if damaged:
+            r.setrange(key, HEADER_SIZE + 8, b"\x00\x01\x02\x03")
+        second = {**first, "prompt": first["prompt"] + ans.content + "\nQuestion: and which is red?\nAnswer:"}
+        expected = (await post(c.direct.url + "/completion", second)).content
+        corrupt = c.b.metric("kvtier_corrupt_chunks_total")
+        restored_tails = c.b.metric("kvtier_tails_total", event="restored")
+        on_b = await post(c.b.url + "/completion", second)
+        assert on_b.status == 200 and on_b.content == expected
+        assert on_b.prompt_n <= int(on_b.headers["X-KVTier-Prompt-Tokens"]) - on_b.restored + 1
+        if damaged:
+            assert on_b.restored == held // CHUNK * CHUNK, on_b.headers  # the chunks alone
+            assert c.b.metric("kvtier_corrupt_chunks_total") == corrupt + 1 and not r.exists(key)
+            await settle(c.b)
+        else:
+            assert on_b.restored == held, on_b.headers  # the chunks and the tail
+            assert c.b.metric("kvtier_tails_total", event="restored") == restored_tails + 1
+            await settle(c.b)
+            assert not r.exists(key)  # B's state holds all of it and more: A's tail is deleted
+
+
 async def test_streaming_and_completion_endpoints(cluster: Cluster) -> None:
     c = cluster
     prompt = DOC + "\nQuestion: how many marbles does box 12 hold?\nAnswer:"

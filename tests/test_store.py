@@ -316,6 +316,35 @@ async def test_whole_state_store_and_fetch(store: TieredStore, fresh: TieredStor
     await other.aclose()
 
 
+async def test_partial_tails_are_found_by_the_prompts_that_continue_them(
+        store: TieredStore, fresh: TieredStore, redis_srv: RedisProc) -> None:
+    toks = tokens(9, 3)
+    chain = chain_of(toks)
+    parent = chain[-1]
+    short, long = [5, 6, 7], [5, 6, 7, 8, 9, 10]
+    key_short = await store.store_tail(NS, parent, short, b"s" * 100)
+    assert await store.flush(5)
+    # Another node (empty local tiers) finds it in Redis; a longer one in its own RAM wins.
+    key_long = await fresh.store_tail(NS, parent, long, b"l" * 100)
+    hit = await fresh.lookup_tail(NS, parent, [5, 6, 7, 8, 9, 10, 11, 12])
+    assert hit is not None and (hit.n_tokens, hit.key, hit.tier) == (6, key_long, "memory")
+    assert bytes(await fresh.get_verified(hit.key, hit.hash, NS) or b"") == b"l" * 100
+    # A prompt that continues only the short one, or neither, or after another chunk.
+    hit = await fresh.lookup_tail(NS, parent, [5, 6, 7, 99, 9, 10, 11])
+    assert hit is not None and (hit.n_tokens, hit.key, hit.tier) == (3, key_short, "redis")
+    assert await fresh.lookup_tail(NS, parent, [5, 6]) is None
+    assert await fresh.lookup_tail(NS, parent, [4, 6, 7, 8]) is None
+    assert await fresh.lookup_tail(NS, chain[-2], [5, 6, 7, 8]) is None
+    assert await fresh.lookup_tail(NS, parent, []) is None
+    # A damaged tail is deleted, counted, and never returned.
+    raw(redis_srv).setrange(key_short, HEADER_SIZE, b"\x00\x01")
+    await tier(fresh, "memory").delete([key_short])  # type: ignore[attr-defined]
+    await tier(fresh, "shared").delete([key_short])  # type: ignore[attr-defined]
+    hit = await fresh.lookup_tail(NS, parent, [5, 6, 7, 0])
+    assert hit is not None and await fresh.get_verified(hit.key, hit.hash, NS) is None
+    assert fresh.counters.corrupt == 1 and not raw(redis_srv).exists(key_short)
+
+
 # -- Redis dying ----------------------------------------------------------------------------------
 
 

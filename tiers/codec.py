@@ -53,6 +53,7 @@ class Flags(enum.IntFlag):
     KEPT_RAW = 1  # adaptive mode tried to compress and kept the raw payload
     WHOLE = 2  # a whole, unsplit state keyed by its exact token sequence
     SESSION = 4  # a session manifest or a session's partial tail
+    TAIL = 8  # a partial tail stored by automatic mode (after the last full chunk of a saved slot)
 
 
 Compression = Literal["adaptive", "lz4", "zstd", "none"]

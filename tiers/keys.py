@@ -1,8 +1,10 @@
 """Prefix keys: a chained BLAKE2b-128 hash over fixed-size token chunks.
 
-``h_0 = H(namespace)`` and ``h_i = H(h_{i-1} || int32-LE tokens of chunk i)``. Only full chunks get a
-key: the partial tail belongs to an explicit session save. Keys never use Python's ``hash()``, so
-they agree across processes, machines and restarts.
+``h_0 = H(namespace)`` and ``h_i = H(h_{i-1} || int32-LE tokens of chunk i)``. The cells after the
+last full chunk (a partial tail of ``t`` tokens) are keyed by ``H("tail\0" || h_k || their tokens)``:
+``tail_hashes`` gives that hash for every length, so a lookup finds the longest stored tail a prompt
+continues without knowing its length. Keys never use Python's ``hash()``, so they agree across
+processes, machines and restarts.
 """
 
 from __future__ import annotations
@@ -104,6 +106,24 @@ def prefix_chain(
         parent = h.digest()
         chain.append(ChunkHash(parent))
     return chain
+
+
+def tail_hashes(parent: bytes, tokens: Sequence[int] | np.ndarray) -> list[ChunkHash]:
+    """``H("tail\0" || parent || tokens[:t])`` for t = 1 .. len(tokens): the hash of a partial tail of
+    each length after the chunk whose hash is ``parent`` (the namespace digest before the first)."""
+    arr = as_token_array(tokens)
+    h = hashlib.blake2b(b"tail\0" + parent, digest_size=DIGEST_SIZE)
+    out: list[ChunkHash] = []
+    view = memoryview(arr).cast("B")
+    for t in range(arr.size):
+        h.update(view[4 * t: 4 * t + 4])
+        out.append(ChunkHash(h.copy().digest()))
+    return out
+
+
+def tail_key(namespace: Namespace, tail_hash: bytes) -> bytes:
+    """Key of a partial tail stored by automatic mode (content-addressed, like chunks)."""
+    return f"kvtier:{namespace.id}:a:{tail_hash.hex()}".encode()
 
 
 def sequence_key(namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> ChunkHash:

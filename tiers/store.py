@@ -12,7 +12,18 @@ from dataclasses import dataclass, field, replace
 from .base import Tier, TierStats
 from .codec import BlobCodec, Flags
 from .errors import CodecError
-from .keys import ChunkHash, Namespace, chunk_key, prefix_chain, sequence_key, whole_key
+from .keys import (
+    ChunkHash,
+    Namespace,
+    as_token_array,
+    chunk_key,
+    hash_chunk,
+    prefix_chain,
+    sequence_key,
+    tail_hashes,
+    tail_key,
+    whole_key,
+)
 
 log = logging.getLogger("kvtier.store")
 
@@ -34,6 +45,16 @@ class LookupResult:
     @property
     def n_chunks(self) -> int:
         return len(self.chunks)
+
+
+@dataclass(frozen=True, slots=True)
+class TailHit:
+    """A stored partial tail a prompt continues: its length, hash and key, and the fastest tier."""
+
+    n_tokens: int
+    hash: ChunkHash
+    key: bytes
+    tier: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -271,7 +292,40 @@ class TieredStore:
             self._enqueue(_Job(keys, blob, announce=announce))
         return StoreResult(len(keys), len(written), sum(len(b) for b in blobs.values()), time.perf_counter() - t0)
 
-    async def put_raw(self, key: bytes, blob: bytes) -> None:
+    async def lookup_tail(self, namespace: Namespace, parent: bytes, tokens: Sequence[int]) -> TailHit | None:
+        """The longest partial tail stored after chunk ``parent`` whose tokens start ``tokens``.
+
+        One existence check per tier for every candidate length (``tail_hashes``); a nearer tier
+        holding a shorter tail does not hide a longer one further down.
+        """
+        hashes = tail_hashes(parent, tokens)
+        if not hashes:
+            return None
+        keys = [tail_key(namespace, h) for h in hashes]
+        best: TailHit | None = None
+        for tier in self.tiers:
+            try:
+                present = await tier.contains_many(keys)
+            except Exception:  # a tier never fails a lookup
+                log.warning("tail lookup on tier %s failed", tier.name, exc_info=True)
+                continue
+            t = next((i + 1 for i in range(len(keys) - 1, -1, -1) if present[i]), 0)
+            if t and (best is None or t > best.n_tokens):
+                best = TailHit(t, hashes[t - 1], keys[t - 1], tier.name)
+        return best
+
+    async def store_tail(self, namespace: Namespace, parent: bytes, tokens: Sequence[int],
+                         payload: bytes | bytearray | memoryview, *, announce: Announce | None = None) -> bytes:
+        """Store the partial tail of ``tokens`` cells after chunk ``parent``; returns its key.
+        ``announce`` as for ``store``."""
+        h = hash_chunk(b"tail\0" + parent, as_token_array(tokens))
+        blob = self.codec.encode(payload, chunk_hash=h, namespace_id=namespace.digest[:8], n_tokens=len(tokens),
+                                 flags=Flags.TAIL)
+        key = tail_key(namespace, h)
+        await self.put_raw(key, blob, announce=announce)
+        return key
+
+    async def put_raw(self, key: bytes, blob: bytes, *, announce: Announce | None = None) -> None:
         """Write one already encoded value to every tier (sync tiers now, background queued)."""
         for tier in self._sync:
             try:
@@ -279,7 +333,7 @@ class TieredStore:
             except Exception:
                 log.warning("put on tier %s failed", tier.name, exc_info=True)
         if self._background:
-            self._enqueue(_Job([key], lambda i: blob))
+            self._enqueue(_Job([key], lambda i: blob, announce=announce))
 
     async def store_whole(self, namespace: Namespace, tokens: Sequence[int], payload: bytes | memoryview) -> bytes:
         """Store an unsplittable state under the key of its exact token sequence."""
