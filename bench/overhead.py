@@ -136,7 +136,9 @@ async def measure(prompt_tokens: int, reps: int, threads: int, redis_url: str,
             tails = {kind: [tail_for(kind, i) for i in range(reps)] for kind in KINDS}
             tail_ids = [await _tokenize(s, node.llama_url, t) for t in tails["tokens"]]
             for kind in KINDS:
-                path, body = request_for(kind, tokens, text)
+                # chat_new_history warms up with a history of its own shape, so that its first pair
+                # is no follow-up of a shorter chat.
+                path, body = request_for(kind, tokens, text, tail_for("warm-up", 0) if kind == "chat_new_history" else "")
                 # Warm-up through the sidecar (the slot then holds the prompt, and the sidecar knows it)
                 # and on the direct path's own llama-server.
                 await timed_post(s, node.sidecar_url + path, body)
