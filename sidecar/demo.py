@@ -99,7 +99,10 @@ async def run_mode(mode: str, nodes: list[Node], document: str, turns: int, max_
     rows: list[dict[str, Any]] = []
     history: list[dict[str, str]] = [{"role": "system", "content": "Answer briefly from this report.\n" + document}]
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900)) as session:
+        # A new connection per turn: the node a turn goes to has just been restarted, and a kept
+        # connection to its previous process would be found dead only when reused.
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=900),
+                                         connector=aiohttp.TCPConnector(force_close=True)) as session:
             for i in range(turns):
                 node = nodes[i % 2]
                 if i > 0:
