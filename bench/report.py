@@ -304,8 +304,8 @@ def claims(report: dict[str, Any]) -> list[dict[str, Any]]:
             rows.append({"scenario": f"generation speed at turns {'-'.join(map(str, late_window(turns)))} (round robin, "
                                      f"{turns['workload']['nodes']} replicas)", "claim": CLAIMS["turn30"],
                          "without": f"{b_tps:.1f} tok/s", "with": f"{k_tps:.1f} tok/s", "gain": _pct(k_tps, b_tps),
-                         "note": f"end-to-end, median of the ten turns; llama-server's own slot reuse already "
-                                 f"saves most: recomputed {b_rec:,.0f} vs {k_rec:,.0f} tokens per turn"})
+                         "note": f"end-to-end, median of the ten turns; llama-server alone reuses what its own "
+                                 f"slot holds: recomputed {b_rec:,.0f} vs {k_rec:,.0f} tokens per turn"})
     moves = sc.get("move") or []
     if moves:
         m = min(moves, key=lambda x: abs(x["tokens"] - 4096))
@@ -698,8 +698,10 @@ def _md_move(moves: list[dict[str, Any]], images: dict[str, str], md_dir: Path) 
         Redis. On B, {reps} times each: `POST /v1/sessions/{{id}}/restore` (*API restore*, the sidecar's own
         timing: fetch, verify, assemble, restore); a completion of the session plus 8 new tokens sent with
         `X-Session-Id` (*hop TTFT*: the sidecar restores the session, tail included, and llama-server computes
-        the new tokens); the same completion without the header (*automatic*: only full 256-token chunks are
-        restored, the rest is recomputed). The *floor* is the same restore done by hand in the same run: one
+        the new tokens); the same completion without the header (*automatic*: the full 256-token chunks, and
+        the partial tail A's slot held after them when the prompt continues it; B's own save after the first
+        automatic hop holds that tail and more and deletes it, so the repeats restore the chunks alone and
+        recompute the rest: the p50 is theirs). The *floor* is the same restore done by hand in the same run: one
         pipelined Redis GET of the session's keys plus llama-server's own `restore_ms` for the same state file.
         *Warm* is the same continuation on node A's llama-server, whose slot still holds the session: nothing
         moves and only the new tokens are computed, so *hop - warm* is what moving the session cost.
