@@ -14,8 +14,8 @@ from sidecar.cli_client import summarize_metrics
 from sidecar.config import Settings, load_settings, redact_url
 from sidecar.costmodel import CostModel
 from sidecar.metrics import Metrics
-from sidecar.proxy import upstream_body
 from sidecar.prompts import chat_digests
+from sidecar.proxy import upstream_body
 from sidecar.slots import FOLLOW_UP_MAX_CHARS, SlotTable, common_prefix, continues
 from tiers.errors import ConfigError
 

@@ -9,6 +9,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from .base import Tier, TierStats
 from .codec import BlobCodec, Flags
 from .errors import CodecError
@@ -292,7 +294,8 @@ class TieredStore:
             self._enqueue(_Job(keys, blob, announce=announce))
         return StoreResult(len(keys), len(written), sum(len(b) for b in blobs.values()), time.perf_counter() - t0)
 
-    async def lookup_tail(self, namespace: Namespace, parent: bytes, tokens: Sequence[int]) -> TailHit | None:
+    async def lookup_tail(self, namespace: Namespace, parent: bytes,
+                          tokens: Sequence[int] | np.ndarray) -> TailHit | None:
         """The longest partial tail stored after chunk ``parent`` whose tokens start ``tokens``.
 
         One existence check per tier for every candidate length (``tail_hashes``); a nearer tier
@@ -314,7 +317,7 @@ class TieredStore:
                 best = TailHit(t, hashes[t - 1], keys[t - 1], tier.name)
         return best
 
-    async def store_tail(self, namespace: Namespace, parent: bytes, tokens: Sequence[int],
+    async def store_tail(self, namespace: Namespace, parent: bytes, tokens: Sequence[int] | np.ndarray,
                          payload: bytes | bytearray | memoryview, *, announce: Announce | None = None) -> bytes:
         """Store the partial tail of ``tokens`` cells after chunk ``parent``; returns its key.
         ``announce`` as for ``store``."""
