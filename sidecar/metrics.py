@@ -55,8 +55,8 @@ class Metrics:
         self.tokens_recomputed = Counter("kvtier_tokens_recomputed", "Prompt tokens llama-server computed (prompt_n)", registry=r)
         self.tails = Counter("kvtier_tails", "Partial tails (a saved slot's cells after its last full chunk): "
                              "stored, restored, deleted (superseded by a longer state)", ["event"], registry=r)
-        self.follow_ups = Counter("kvtier_follow_ups", "Chats sent to the slot holding their conversation without "
-                                  "tokenizing them (nothing to restore)", registry=r)
+        self.follow_ups = Counter("kvtier_follow_ups", "Requests sent to the slot holding what they continue, "
+                                  "without tokenizing them (nothing to restore)", registry=r)
         self.tokens_slot_reused = Counter("kvtier_tokens_slot_reused", "Prompt tokens already in the chosen slot", registry=r)
         self.restores = Counter("kvtier_restores", "Restores by source tier and outcome", ["tier", "outcome"], registry=r)
         self.decisions = Counter("kvtier_cost_decisions", "Cost-model decisions", ["decision"], registry=r)
