@@ -24,7 +24,8 @@ against a settled cache. Reported per mode: TTFT p50/p90, prompt tokens recomput
 Long hop (``--long-tokens``, default 4,096): a session of that many tokens is computed on node A
 (the full prefill: the recompute cost), then continued on node B, which has never seen it (its RAM
 tier is 1 MiB, so every chunk comes from Redis): with ``X-Session-Id`` (the session, tail included,
-is restored) and without (automatic mode restores full 256-token chunks). Side by side, the floor
+is restored) and without (automatic mode restores full 256-token chunks and a stored partial tail
+the prompt continues). Side by side, the floor
 of the same restore: one pipelined Redis GET of the same keys plus llama-server's own
 ``restore_ms`` of the same state file. Targets: TTFT under 300 ms; restore path within 1.3x of
 the floor.
@@ -263,7 +264,8 @@ async def move_sessions(redis_url: str, sizes: Sequence[int] = (4096,), reps: in
     from Redis), each after an unrelated request has taken B's only slot:
     ``POST /v1/sessions/{id}/restore`` (the sessions API); a completion of the session plus
     ``new_tokens`` new tokens with ``X-Session-Id`` (automatic session restore, tail included:
-    the hop TTFT); the same completion without the header (automatic mode: full chunks only);
+    the hop TTFT); the same completion without the header (automatic mode: full chunks, and the
+    partial tail A's automatic save stored when the prompt continues it);
     and the floor of the same restore, one pipelined Redis GET of the session's keys plus
     llama-server's own ``restore_ms`` of A's state file restored into B's llama-server. The same
     hop to node C, whose sidecar runs with ``--prewarm``: it copied A's chunks into its RAM tier

@@ -413,7 +413,7 @@ def render_plots(report: dict[str, Any], img_dir: Path) -> dict[str, str]:
             ax.plot(xs, [m["session_hop"]["ttft_ms"]["p50"] for m in moves], "s-", color="tab:green", lw=2,
                     label="kvtier: restore from Redis + new tokens")
             ax.plot(xs, [m["automatic_hop"]["ttft_ms"]["p50"] for m in moves], "d:", color="tab:olive",
-                    label="kvtier automatic (full chunks only)")
+                    label="kvtier automatic (chunks; the stored tail on the first hop)")
             ax.plot(xs, [m["floor"]["total_ms_p50"] for m in moves], "x:", color="grey",
                     label="floor: Redis GET + llama-server restore")
         ax.set_xscale("log")
@@ -623,8 +623,8 @@ def _md_turns(turns: dict[str, Any], images: dict[str, str], md_dir: Path) -> st
         {w['turn_tokens']} tokens with greedy answers of {w['max_tokens']} tokens, on {w['nodes']} replicas.
         *Round robin*: turn *t* goes to replica *t* mod {w['nodes']}; llama-server alone still holds, in its
         only slot, what that replica saw {w['nodes']} turns earlier, so it recomputes only the turns since then,
-        while kvtier also restores those from Redis (full 256-token chunks; the partial last chunk and the new
-        turn are recomputed). *Rolling update*: before turns {', '.join(map(str, turns['probe_turns'][1:]))} the
+        while kvtier also restores those from Redis (full 256-token chunks and the partial tail the other
+        replica's slot held after them; the new turn is recomputed). *Rolling update*: before turns {', '.join(map(str, turns['probe_turns'][1:]))} the
         conversation moves to a replica that has just restarted (turns in between stay on the same replica):
         llama-server alone recomputes the whole history there. Tokens/s is end to end: answer tokens over the
         whole request time, prompt processing included, as a user experiences it.
