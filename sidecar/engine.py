@@ -554,7 +554,11 @@ class KVEngine:
                     await self._publish_stored(namespace, keys)
             result = await self.store.store(namespace, chain, payload, announce=announce)
             self.metrics.bytes_saved.inc(result.bytes_encoded)
-            await self._store_tail(slot, namespace, state, chain, previous, announce)
+            try:
+                await self._store_tail(slot, namespace, state, chain, previous, announce)
+            except Exception as exc:  # the chunks are stored: a hop recomputes the partial tail, no more
+                self.metrics.cache_errors.labels("save").inc()
+                log.warning("storing slot %d's partial tail failed: %s", slot, exc)
         elif state.n_tokens and not self._warned_unsplittable:
             # Prefix restore needs chunks; such states are kept only by explicit session saves.
             self._warned_unsplittable = True

@@ -214,6 +214,26 @@ async def test_a_hop_restores_the_partial_tail_too_and_never_a_damaged_one(clust
             assert not r.exists(key)  # B's state holds all of it and more: A's tail is deleted
 
 
+async def test_a_failed_tail_store_loses_only_the_tail(cluster: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    c = cluster
+
+    async def refuse(*args: object, **kwargs: object) -> bytes:
+        raise OSError("injected: tail store failed")
+
+    monkeypatch.setattr(c.a.store, "store_tail", refuse)
+    errors = c.a.metric("kvtier_cache_errors_total", stage="save")
+    body = {"prompt": "Tail failure. " + DOC[:500] + "\nQuestion: box 1?\nAnswer:", "n_predict": 4, "temperature": 0}
+    ans = await post(c.a.url + "/completion", body)
+    assert ans.status == 200
+    await settle(c.a)
+    assert c.a.metric("kvtier_cache_errors_total", stage="save") == errors + 1
+    # The save itself stood: the slot table knows what the slot holds, its chunks are stored.
+    held = c.a.engine.slots.tokens(int(ans.headers["X-KVTier-Slot"]))
+    assert held.size > CHUNK and held.size % CHUNK
+    found = await c.a.store.lookup(c.a.engine.target.namespace, held)
+    assert found.matched_tokens == held.size // CHUNK * CHUNK
+
+
 async def test_streaming_and_completion_endpoints(cluster: Cluster) -> None:
     c = cluster
     prompt = DOC + "\nQuestion: how many marbles does box 12 hold?\nAnswer:"
