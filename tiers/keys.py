@@ -108,11 +108,19 @@ def prefix_chain(
     return chain
 
 
+TAIL_DOMAIN = b"tail\0"  # keeps a partial tail's hash apart from a chunk's over the same tokens
+
+
+def tail_hash_after(parent: bytes, tokens: Sequence[int] | np.ndarray) -> ChunkHash:
+    """``H("tail\0" || parent || tokens)``: a partial tail after the chunk whose hash is ``parent``
+    (the namespace digest before the first); automatic tails and sessions' tails alike."""
+    return hash_chunk(TAIL_DOMAIN + parent, as_token_array(tokens))
+
+
 def tail_hashes(parent: bytes, tokens: Sequence[int] | np.ndarray) -> list[ChunkHash]:
-    """``H("tail\0" || parent || tokens[:t])`` for t = 1 .. len(tokens): the hash of a partial tail of
-    each length after the chunk whose hash is ``parent`` (the namespace digest before the first)."""
+    """``tail_hash_after(parent, tokens[:t])`` for t = 1 .. len(tokens), in one pass."""
     arr = as_token_array(tokens)
-    h = hashlib.blake2b(b"tail\0" + parent, digest_size=DIGEST_SIZE)
+    h = hashlib.blake2b(TAIL_DOMAIN + parent, digest_size=DIGEST_SIZE)
     out: list[ChunkHash] = []
     view = memoryview(arr).cast("B")
     for t in range(arr.size):

@@ -21,7 +21,7 @@ import numpy as np
 
 from .codec import Flags
 from .errors import KVTierError, TierUnavailable
-from .keys import ChunkHash, Namespace, as_token_array, hash_chunk, prefix_chain, session_key
+from .keys import ChunkHash, Namespace, as_token_array, prefix_chain, session_key, tail_hash_after
 from .store import PayloadSource, TieredStore
 
 SESSION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
@@ -114,7 +114,7 @@ def tail_key(namespace: Namespace, session_id: str, tail_hash_hex: str) -> bytes
 
 def tail_hash(chain: Sequence[ChunkHash], namespace: Namespace, tail_tokens: np.ndarray) -> ChunkHash:
     parent = chain[-1] if chain else namespace.digest
-    return hash_chunk(b"tail\0" + parent, tail_tokens)
+    return tail_hash_after(parent, tail_tokens)
 
 
 class SessionStore:

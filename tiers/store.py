@@ -17,11 +17,10 @@ from .errors import CodecError
 from .keys import (
     ChunkHash,
     Namespace,
-    as_token_array,
     chunk_key,
-    hash_chunk,
     prefix_chain,
     sequence_key,
+    tail_hash_after,
     tail_hashes,
     tail_key,
     whole_key,
@@ -321,7 +320,7 @@ class TieredStore:
                          payload: bytes | bytearray | memoryview, *, announce: Announce | None = None) -> bytes:
         """Store the partial tail of ``tokens`` cells after chunk ``parent``; returns its key.
         ``announce`` as for ``store``."""
-        h = hash_chunk(b"tail\0" + parent, as_token_array(tokens))
+        h = tail_hash_after(parent, tokens)
         blob = self.codec.encode(payload, chunk_hash=h, namespace_id=namespace.digest[:8], n_tokens=len(tokens),
                                  flags=Flags.TAIL)
         key = tail_key(namespace, h)
