@@ -279,87 +279,32 @@ def assemble_state(
         ValueError: fewer tokens than cells, or a bad ``n_stream``.
     """
     pieces = state_pieces(payloads, tokens, v_trans=v_trans, n_stream=n_stream)
-    if pieces is not None:
-        arr, view = out_buffer(out, sum(p.nbytes for p in pieces))
-        at = 0
-        for p in pieces:
-            arr[at : at + p.nbytes] = np.frombuffer(p, np.uint8)
-            at += p.nbytes
-        return view
-    infos = [read_chunk_header(p) for p in payloads]
-    views = [as_uint8(p) for p in payloads]
-    n_cells = sum(i.n_cells for i in infos)
-    toks = as_token_array(tokens)
-    if toks.size < n_cells:
-        raise ValueError(f"{toks.size} tokens for {n_cells} cells")
-    layers = _check_agree(infos)
-    n_layer = len(layers)
-    els = [_target_el(la, infos, v_trans, il) for il, la in enumerate(layers)]
-
-    meta_at = HEADER_BYTES + 4 * n_cells + 4 + 4
-    data_at = meta_at + CELL_DTYPE.itemsize * n_cells + 8
-    size = _restore_size(infos, n_stream)
-    arr, out = out_buffer(out, size)
-    struct.pack_into("<III", out, 0, GGSQ_MAGIC, GGSQ_VERSION, n_cells)
-    arr[HEADER_BYTES : HEADER_BYTES + 4 * n_cells].view("<i4")[:] = toks[:n_cells]
-    at = HEADER_BYTES + 4 * n_cells
-    struct.pack_into("<I", out, at, n_stream)
-    at += 4
-    if n_cells == 0:
-        arr[at:] = 0
-        return out
-    struct.pack_into("<I", out, at, n_cells)
-    cells = arr[meta_at : meta_at + CELL_DTYPE.itemsize * n_cells].view(CELL_DTYPE)
-    cells["pos"] = np.arange(n_cells, dtype=np.int32)
-    cells["n_seq_id"] = 1
-    cells["seq_id"] = 0
-    struct.pack_into("<II", out, data_at - 8, int(v_trans), n_layer)
-    at = data_at
-    # Offsets of each payload's K and V blocks, walked layer by layer.
-    k_at = [i.data_offset for i in infos]
-    for la in layers:
-        _K_HEAD.pack_into(out, at, la.k_type, la.k_row_size)
-        at += 12
-        row = la.k_row_size
-        dst = arr[at : at + n_cells * row].reshape(n_cells, row)
-        c0 = 0
-        for j, info in enumerate(infos):
-            nb = info.n_cells * row
-            dst[c0 : c0 + info.n_cells] = views[j][k_at[j] : k_at[j] + nb].reshape(info.n_cells, row)
-            k_at[j] += nb
-            c0 += info.n_cells
-        at += n_cells * row
-    v_at = k_at
-    for il, la in enumerate(layers):
-        el = els[il]
-        if v_trans:
-            _VT_HEAD.pack_into(out, at, la.v_type, el, la.v_row_size // el)
-        else:
-            _K_HEAD.pack_into(out, at, la.v_type, la.v_row_size)
-        at += 12
-        at = _place_v(arr, at, la.v_row_size, el, v_trans, n_cells, infos, views, v_at)
-    arr[at:] = 0  # the other streams: cell_count = 0
-    assert at + 4 * (n_stream - 1) == size
-    return out
+    arr, view = out_buffer(out, sum(p.nbytes for p in pieces))
+    at = 0
+    for p in pieces:
+        arr[at : at + p.nbytes] = np.frombuffer(p, np.uint8)
+        at += p.nbytes
+    return view
 
 
 def state_pieces(
     payloads: Sequence[BytesLike], tokens: Sequence[int] | np.ndarray, *, v_trans: bool, n_stream: int = 1,
-) -> list[memoryview] | None:
-    """The restore file ``assemble_state`` would build, as consecutive byte slices, most of them views
-    into ``payloads``: written with ``writev`` they make the file without assembling it in memory.
+) -> list[memoryview]:
+    """The restore file ``assemble_state`` builds, as consecutive byte slices: written with ``writev``
+    they make the file without joining it in memory.
 
-    Returns None when a V block has to be transposed, or the target wants transposed V (then each
-    element row interleaves all chunks): use ``assemble_state``.
+    K rows, and V rows when no V is transposed, are views into ``payloads``. Where the target wants
+    transposed V (a server without flash attention) or a chunk holds it, each element row of a layer
+    interleaves all chunks: that layer's V block is built in a buffer of its own (~half the bytes).
 
     Raises:
-        StateFormatError, ValueError: as ``assemble_state``.
+        StateFormatError: a payload is malformed, out of order, disagrees with the others, or its
+            quantized V would need transposing.
+        ValueError: fewer tokens than cells, or a bad ``n_stream``.
     """
     if n_stream < 1:
         raise ValueError(f"n_stream must be >= 1, got {n_stream}")
     infos = [read_chunk_header(p) for p in payloads]
-    if v_trans or any(i.v_trans for i in infos):
-        return None
     n_cells = sum(i.n_cells for i in infos)
     toks = as_token_array(tokens)
     if toks.size < n_cells:
@@ -369,6 +314,8 @@ def state_pieces(
         empty = np.zeros(HEADER_BYTES + 4 + 4 * n_stream, np.uint8)
         struct.pack_into("<IIII", empty, 0, GGSQ_MAGIC, GGSQ_VERSION, 0, n_stream)
         return [empty.data]
+    transposing = v_trans or any(i.v_trans for i in infos)
+    els = [_target_el(la, infos, v_trans, il) for il, la in enumerate(layers)] if transposing else []
     # Everything before the first layer's K rows: header, tokens, stream count, cells, V layout.
     meta_at = HEADER_BYTES + 4 * n_cells + 8
     head = np.empty(meta_at + CELL_DTYPE.itemsize * n_cells + 8, np.uint8)
@@ -379,12 +326,26 @@ def state_pieces(
     cells["pos"] = np.arange(n_cells, dtype=np.int32)
     cells["n_seq_id"] = 1
     cells["seq_id"] = 0
-    struct.pack_into("<II", head, head.size - 8, 0, len(layers))
+    struct.pack_into("<II", head, head.size - 8, int(v_trans), len(layers))
     pieces = [head.data]
-    views = [memoryview(as_uint8(p)) for p in payloads]
+    arrays = [as_uint8(p) for p in payloads]
+    views = [memoryview(a) for a in arrays]
     at = [i.data_offset for i in infos]
-    for part in ("k", "v"):  # every layer's K block, then every layer's V block (rows)
-        for la in layers:
+    # The transposed V blocks, one buffer for all layers.
+    v_blocks = np.empty(n_cells * sum(la.v_row_size for la in layers) if transposing else 0, np.uint8)
+    v_used = 0
+    for part in ("k", "v"):  # every layer's K block, then every layer's V block
+        for il, la in enumerate(layers):
+            if part == "v" and transposing:
+                el = els[il]
+                if v_trans:
+                    pieces.append(memoryview(_VT_HEAD.pack(la.v_type, el, la.v_row_size // el)))
+                else:
+                    pieces.append(memoryview(_K_HEAD.pack(la.v_type, la.v_row_size)))
+                end = _place_v(v_blocks, v_used, la.v_row_size, el, v_trans, n_cells, infos, arrays, at)
+                pieces.append(v_blocks.data[v_used:end])
+                v_used = end
+                continue
             ggml_type, row = (la.k_type, la.k_row_size) if part == "k" else (la.v_type, la.v_row_size)
             pieces.append(memoryview(_K_HEAD.pack(ggml_type, row)))
             for j, info in enumerate(infos):

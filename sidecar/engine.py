@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from integrations.chunks import assemble_state, split_state, state_pieces, write_pieces
+from integrations.chunks import split_state, state_pieces, write_pieces
 from integrations.fingerprint import layout_fingerprint, model_identity
 from integrations.llama_server import LlamaServerClient, LlamaServerError, Timings, prefix_reused
 from integrations.statefile import SeqState, parse_state
@@ -412,9 +412,10 @@ class KVEngine:
         assert self.target is not None
         t0 = time.perf_counter()
         v_trans, n_stream = self.target.v_trans, self.target.n_stream
-        # Rows of V: the file is a list of slices of the payloads, written without joining them.
-        pieces = state_pieces(payloads, tokens, v_trans=v_trans, n_stream=n_stream) or [
-            assemble_state(payloads, tokens, v_trans=v_trans, n_stream=n_stream)]
+        # The file as a list of slices of the payloads (and of transposed V blocks, for a server
+        # without flash attention), written without joining them; off the event loop, as a
+        # transposition copies half the state.
+        pieces = await asyncio.to_thread(state_pieces, payloads, tokens, v_trans=v_trans, n_stream=n_stream)
         t1 = time.perf_counter()
         # One file per slot, overwritten in place by the slot's next restore: writing into pages the
         # slot dir holds already is about twice as fast on tmpfs as a new file (whose pages the

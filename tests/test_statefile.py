@@ -324,10 +324,18 @@ def test_state_pieces_written_are_the_assembled_file(tmp_path: Path, n_stream: i
     monkeypatch.setattr(chunks_mod, "_IOV_MAX", 4)
     assert write_pieces(tmp_path / "b.bin", [*pieces, b"", memoryview(b"xyz")]) == len(want) + 3
     assert (tmp_path / "b.bin").read_bytes() == want + b"xyz"
-    # Transposed V (either side) cannot be a list of slices.
-    assert state_pieces(payloads, lg.tokens, v_trans=True) is None
-    trans = split_state(ref_file(lg, v_trans=True), 16)
-    assert state_pieces(trans.chunks, lg.tokens, v_trans=False) is None
+    # Transposed V, on either side: K rows stay slices, each layer's V block is built once.
+    trans = split_state(ref_file(lg, v_trans=True, packed=True), 16, tail=True)
+    trans_payloads = [*trans.chunks, trans.tail]
+    for chunks, target in ((payloads, True), (trans_payloads, True), (trans_payloads, False)):
+        pieces = state_pieces(chunks, lg.tokens, v_trans=target, n_stream=n_stream)
+        want = ref_file(lg.prefix(45), v_trans=target, n_stream=n_stream)
+        assert write_pieces(tmp_path / "t.bin", pieces, overwrite=True) == len(want)
+        assert (tmp_path / "t.bin").read_bytes() == want
+        # Every layer's K rows are slices of the chunks, not copies.
+        shared = sum(any(np.shares_memory(np.frombuffer(p, np.uint8), np.frombuffer(c, np.uint8)) for c in chunks)
+                     for p in pieces if p.nbytes)
+        assert shared == 3 * len(chunks)
 
 
 def test_write_pieces_overwrites_in_place_and_refuses_links(tmp_path: Path) -> None:
