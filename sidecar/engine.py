@@ -92,6 +92,9 @@ class RequestPlan:
     fetched: FetchResult | None = None  # promoted into the local tiers after the answer
     asked: Asked = ()  # what the request asked, remembered with its slot (follow-ups)
     follow_up: bool = False  # sent to the slot holding what it continues, without tokens
+    # A session restored for this request: the save after the answer records its use (a touch
+    # when there is none), so the restore does not wait for a manifest write.
+    restored_session: Manifest | None = None
 
 
 class KVEngine:
@@ -324,7 +327,9 @@ class KVEngine:
         if plan is not None:
             self.metrics.tokens_restored.inc(tokens.size - plan.lease.cached_tokens)
             plan.restored_tokens, plan.restore_tier, plan.restore_ms = int(tokens.size), tier, ms
-        await self.sessions.touch(ns, manifest)
+            plan.restored_session = manifest
+        else:
+            await self.sessions.touch(ns, manifest)
         return int(tokens.size), tier, ms
 
     async def _restore(self, plan: RequestPlan) -> None:
@@ -487,6 +492,8 @@ class KVEngine:
             if not ok:
                 # Nothing from a failed request is cached; what the slot holds now is unknown.
                 self.slots.set_tokens(plan.lease.slot, np.zeros(0, np.int32))
+                if plan.restored_session is not None:  # no save records the session's use
+                    await self.sessions.touch(plan.namespace, plan.restored_session)
                 return
             if plan.session_id is not None:
                 manifest = await self.save_session(plan.lease.slot, plan.namespace, plan.session_id,

@@ -120,6 +120,18 @@ async def test_session_header_restores_on_another_node(nodes: Nodes) -> None:
     assert r2.restored > 0 and r2.restored % CHUNK != 0
     assert r2.prompt_n <= int(r2.headers["X-KVTier-Prompt-Tokens"]) - r2.restored + 1
     assert status == 200 and manifest["node"] == "b"  # saved again after B's turn
+    # A request that fails after its session was restored saves nothing, but records the use.
+    for text in ("Unrelated words.", "Other words, unrelated too."):  # B's two slots hold other things
+        assert (await post(b.url + "/completion", {"prompt": text, "n_predict": 1})).status == 200
+    await b.engine.drain(30)
+    history += [{"role": "user", "content": "And record 6?"}, {"role": "assistant", "content": r2.content}]
+    bad = {**chat("And record 7?", history), "max_tokens": "many"}
+    r3 = await post(b.url + "/v1/chat/completions", bad, headers={"X-Session-Id": "hop-7"})
+    await b.engine.drain(30)
+    _, after = await call("GET", a.url + "/v1/sessions/hop-7")
+    assert r3.status == 400 and r3.restored == manifest["n_tokens"], r3.headers
+    assert after["last_used"] > manifest["last_used"]
+    assert {k: v for k, v in after.items() if k != "last_used"} == {k: v for k, v in manifest.items() if k != "last_used"}
 
 
 async def test_tenant_never_gets_another_tenants_prefix(nodes: Nodes) -> None:

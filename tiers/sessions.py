@@ -9,6 +9,7 @@ manifest is JSON, validated field by field, and every chunk is checked by the bl
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import re
@@ -196,7 +197,12 @@ class SessionStore:
         """
         toks = manifest.tokens
         chain = prefix_chain(namespace, toks, manifest.chunks)
-        fetched = await self.store.fetch(namespace, chain)
+        fetching = self.store.fetch(namespace, chain)
+        if manifest.tail_tokens:  # fetched beside the chunks
+            fetched, tail = await asyncio.gather(fetching, self.store.get_verified(
+                tail_key(namespace, manifest.id, manifest.tail_hash), bytes.fromhex(manifest.tail_hash), namespace))
+        else:
+            fetched, tail = await fetching, None
         if fetched.n_chunks < manifest.chunks:
             raise SessionIncomplete(
                 f"session {manifest.id!r}: {manifest.chunks - fetched.n_chunks} of {manifest.chunks} chunks are gone"
@@ -204,8 +210,6 @@ class SessionStore:
         payloads = list(fetched.payloads)
         tiers = list(fetched.tiers)
         if manifest.tail_tokens:
-            tail = await self.store.get_verified(tail_key(namespace, manifest.id, manifest.tail_hash),
-                                                 bytes.fromhex(manifest.tail_hash), namespace)
             if tail is None:
                 raise SessionIncomplete(f"session {manifest.id!r}: its tail is gone")
             payloads.append(tail)
