@@ -256,7 +256,8 @@ async def reset_slot(s: aiohttp.ClientSession, base: str) -> None:
 
 
 async def move_sessions(redis_url: str, sizes: Sequence[int] = (4096,), reps: int = 3, threads: int = 2,
-                        prog: Progress | None = None, new_tokens: int = 8) -> list[dict[str, Any]]:
+                        prog: Progress | None = None, new_tokens: int = 8,
+                        llama_extra: Sequence[str] = ()) -> list[dict[str, Any]]:
     """Move sessions of ``sizes`` tokens from node A to node B, which has never seen them.
 
     Per size: the prompt is computed once on A through its sidecar (the recompute cost). Then
@@ -271,7 +272,8 @@ async def move_sessions(redis_url: str, sizes: Sequence[int] = (4096,), reps: in
     hop to node C, whose sidecar runs with ``--prewarm``: it copied A's chunks into its RAM tier
     when A announced them, so only the session's tail comes from Redis (*prewarmed hop*). Last,
     ``reps`` continuations on A's llama-server itself (*warm*: nothing moves, only the new tokens
-    are computed), the part of the hop TTFT that no cache can remove.
+    are computed), the part of the hop TTFT that no cache can remove. ``llama_extra``: more
+    llama-server flags for every node (each result names them).
     """
     ctx = (max(sizes) + 1024) // 256 * 256
     await redis_flush(redis_url)
@@ -282,7 +284,7 @@ async def move_sessions(redis_url: str, sizes: Sequence[int] = (4096,), reps: in
             prog.update(task, description=text)
 
     results = []
-    with cluster(3, base_llama_args(ctx, threads), sidecar=True, redis_url=redis_url,
+    with cluster(3, base_llama_args(ctx, threads, extra=llama_extra), sidecar=True, redis_url=redis_url,
                  node_sidecar_args=[[], ["--cache-size", "1M"], ["--prewarm", "--cache-size", "2G"]]) as cl:
         a, b, c = cl.nodes
         bases = [a.sidecar_url, b.sidecar_url, c.sidecar_url]
@@ -350,7 +352,7 @@ async def move_sessions(redis_url: str, sizes: Sequence[int] = (4096,), reps: in
                     # Rotated, so that no two continuations start alike: the slot reuses only ``held``.
                     fresh = [*extra[rep % len(extra):], *extra[: rep % len(extra)]]
                     warm.append((await complete(s, a.llama_url, [*held, *fresh], 1)).row())
-                results.append(summarize_move(n, build, runs, warm))
+                results.append({**summarize_move(n, build, runs, warm), "llama_extra": list(llama_extra)})
     say("move sessions: done")
     return results
 

@@ -24,7 +24,8 @@ Scenarios (each side by side with its baseline, in the same run):
 3. move: sessions of 1k/4k/8k tokens (8,000: SmolLM2 has an 8,192-token context) saved on A,
    restored on B through the sessions API, and
    continued on B, against the floor (pipelined Redis GET + llama-server's ``restore_ms``) and
-   against recompute (``bench/hop.py``'s ``move_sessions``).
+   against recompute (``bench/hop.py``'s ``move_sessions``); ``move_fa_off``: the same with every
+   llama-server started with ``-fa off`` (its default turns flash attention on for a CPU).
 4. multiuser: U users x R rounds across 2 nodes: kvtier vs llama-server alone (round robin,
    sticky) vs llama-server's own ``--cache-ram`` (``bench/hop.py``'s ``run_mode``).
 5. short: prefixes of 64-256 tokens, where a restore can be worth less than it costs: kvtier's
@@ -75,7 +76,9 @@ from .common import (
 )
 from .hop import RESTORE_PHASES
 
-SCENARIOS = ("memory", "turns", "move", "multiuser", "short")
+SCENARIOS = ("memory", "turns", "move", "move_fa_off", "multiuser", "short")
+# llama-server's flash attention: its default (auto) turns it on for a CPU; off, V is stored transposed.
+FA_OFF = ("-fa", "off")
 CLAIMS = {
     "memory": {"without": "18.2 GB", "with": "6.8 GB", "gain": "-62.6%"},
     "turn30": {"without": "2.3 tok/s", "with": "7.1 tok/s", "gain": "+208.7%"},
@@ -252,6 +255,8 @@ async def run_all(a: argparse.Namespace, preset: dict[str, Any], redis_url: str,
             "memory": lambda: _memory_both(redis_url, preset, a.threads, prog),
             "turns": lambda: scenario_turns(redis_url, turns, prog),
             "move": lambda: hop.move_sessions(redis_url, preset["move_sizes"], preset["reps"], a.threads, prog),
+            "move_fa_off": lambda: hop.move_sessions(redis_url, preset["move_sizes"], preset["reps"], a.threads, prog,
+                                                     llama_extra=FA_OFF),
             "multiuser": lambda: scenario_multiuser(redis_url, multi, prog),
             "short": lambda: scenario_short(redis_url, preset["short_lengths"], preset["reps"], a.threads, prog),
         }
@@ -306,10 +311,12 @@ def claims(report: dict[str, Any]) -> list[dict[str, Any]]:
                          "without": f"{b_tps:.1f} tok/s", "with": f"{k_tps:.1f} tok/s", "gain": _pct(k_tps, b_tps),
                          "note": f"end-to-end, median of the ten turns; llama-server alone reuses what its own "
                                  f"slot holds: recomputed {b_rec:,.0f} vs {k_rec:,.0f} tokens per turn"})
-    moves = sc.get("move") or []
-    if moves:
+    for key, flags in (("move", ""), ("move_fa_off", " (llama-server -fa off)")):
+        moves = sc.get(key) or []
+        if not moves:
+            continue
         m = min(moves, key=lambda x: abs(x["tokens"] - 4096))
-        rows.append({"scenario": f"moving a {m['tokens']:,}-token session to another node", "claim": CLAIMS["move"],
+        rows.append({"scenario": f"moving a {m['tokens']:,}-token session to another node{flags}", "claim": CLAIMS["move"],
                      "without": f"{m['recompute']['ttft_ms']:,.0f} ms", "with": f"{m['session_hop']['ttft_ms']['p50']:,.0f} ms",
                      "gain": _pct(m["session_hop"]["ttft_ms"]["p50"], m["recompute"]["ttft_ms"]),
                      "note": "TTFT on the other node: recompute vs restore from Redis + the 8 new tokens"
@@ -548,6 +555,8 @@ def render_markdown(report: dict[str, Any], other: dict[str, Any], images: dict[
         parts.append(_md_turns(sc["turns"], images, md_dir))
     if sc.get("move"):
         parts.append(_md_move(sc["move"], images, md_dir))
+    if sc.get("move_fa_off"):
+        parts.append(_md_move_fa_off(sc["move_fa_off"], sc.get("move") or []))
     if sc.get("multiuser"):
         parts.append(_md_multiuser(sc["multiuser"], images, md_dir))
     if sc.get("short"):
@@ -711,10 +720,42 @@ def _md_move(moves: list[dict[str, Any]], images: dict[str, str], md_dir: Path) 
                          "automatic hop TTFT ms", "warm TTFT ms", "hop - warm ms", "hop vs recompute"], rows) \
         + pre_text + f"\n\nTargets: {targets}.\n\nWhere the hop's restore time goes (p50 ms, from the sidecar's " \
         + "`kvtier_restore_phase_seconds`): *fetch* from the tiers and verify, *assemble* the file's layout (a list " \
-        + "of slices of the chunks when no V transposition is needed), *write* the state file (one `writev`), " \
+        + "of slices of the chunks; where V is transposed, each layer's V block is built once), *write* the state " \
+        + "file (one `writev`), " \
         + "*llama* is llama-server's restore.\n\n" \
         + md_table(["tokens", "from", *RESTORE_PHASES], phases) + "\n\n" \
         + _img(images, "ttft_vs_context", "TTFT vs context length", md_dir)
+
+
+def _md_move_fa_off(moves: list[dict[str, Any]], default: list[dict[str, Any]]) -> str:
+    """The same hops with every llama-server started with ``-fa off``, beside the default run."""
+    by_size = {mv["tokens"]: mv for mv in default}
+    rows = []
+    for mv in moves:
+        d = by_size.get(mv["tokens"])
+        warm = mv.get("warm", {}).get("ttft_ms", {}).get("p50")
+        d_warm = d.get("warm", {}).get("ttft_ms", {}).get("p50") if d else None
+        rows.append([mv["tokens"], mv["recompute"]["ttft_ms"], d["recompute"]["ttft_ms"] if d else "-",
+                     warm if warm is not None else "-", d_warm if d_warm is not None else "-",
+                     f"{mv['session_hop']['ttft_ms']['p50']:,.0f} / {mv['session_hop']['ttft_ms']['p90']:,.0f}",
+                     mv["automatic_hop"]["ttft_ms"]["p50"],
+                     mv["prewarmed_hop"]["ttft_ms"]["p50"] if mv.get("prewarmed_hop") else "-",
+                     d["session_hop"]["ttft_ms"]["p50"] if d else "-", mv["hop_restore_vs_floor"],
+                     mv.get("hop_phases_ms_p50", {}).get("assemble", "-"),
+                     _met(mv["targets"]["hop_ttft_under_300ms"])])
+    return textwrap.dedent(f"""
+        ### The same hops with llama-server's flash attention off
+
+        llama-server's default (`-fa auto`) turns flash attention on for this CPU. The same scenario with
+        every llama-server started with `{' '.join(moves[0].get('llama_extra') or [])}`, after the run
+        above: prefill is slower (*recompute*), a short continuation at long context is faster (*warm*:
+        the 8 new tokens on the node that holds the session), and V is stored transposed, so kvtier builds
+        each layer's V block when it restores (*assemble*; K stays a list of slices). *default* columns are
+        the run above.
+
+        """) + md_table(["tokens", "recompute TTFT ms", "default: recompute ms", "warm TTFT ms", "default: warm ms",
+                         "hop TTFT p50 / p90 ms", "automatic hop TTFT ms", "prewarmed hop TTFT ms",
+                         "default: hop TTFT ms", "restore / floor", "assemble p50 ms", "hop < 300 ms"], rows) + "\n"
 
 
 def _md_multiuser(mu: dict[str, Any], images: dict[str, str], md_dir: Path) -> str:
@@ -801,7 +842,10 @@ def _md_others(other: dict[str, Any]) -> str:
                    f"{ov['machine'].get('load_avg')}). *Outside llama-server's compute*: each request's wall time "
                    f"minus llama-server's `prompt_ms + predicted_ms` (which jitter by several ms here, alike on both "
                    f"paths), sidecar p50 minus direct p50; the target is judged on it. *sidecar's own*: the mean of "
-                   f"its `kvtier_overhead_seconds` histogram (its time before forwarding, prompt tokens included). "
+                   f"its `kvtier_overhead_seconds` histogram (its time before forwarding, prompt tokens included); "
+                   f"*of which prompt tokens*: the mean of `kvtier_prompt_seconds` (rendering and tokenizing). "
+                   f"*GET /health*: llama-server's health check passed through the sidecar untouched, against the "
+                   f"same request straight to llama-server: the extra HTTP hop alone, no compute on either side. "
                    f"*prompt tokens*: given by the client, computed in kvtier, asked of llama-server, or not "
                    f"needed (a follow-up: the request continues what its slot answered last and goes there "
                    f"untokenized; `chat_new_history` changes an earlier message, so it is tokenized).\n\n")

@@ -109,6 +109,9 @@ def fixed_report() -> dict[str, Any]:
                                 "kvtier-rolling": mode("kvtier-rolling", 150, 2048)}},
             "move": [hop.summarize_move(4096, _reply(23_000.0, 4096, 4096), move_runs,
                                         [_reply(150.0, 4105, 8).row() for _ in range(3)])],
+            "move_fa_off": [{**hop.summarize_move(4096, _reply(31_000.0, 4096, 4096), move_runs,
+                                                  [_reply(90.0, 4105, 8).row() for _ in range(3)]),
+                             "llama_extra": ["-fa", "off"]}],
             "multiuser": {"workload": asdict(hop.Workload()),
                           "modes": {m: mode(m, 300, 0) for m in ("direct-rr", "direct-sticky", "cache-ram", "kvtier")}},
             "short": {"lengths": [64], "reps": 2, "chunks": [256, 64], "table": short_rows, "worst_ratio": 1.02,
@@ -122,8 +125,9 @@ def test_claims_put_measured_rows_next_to_the_write_up() -> None:
     names = [r["scenario"] for r in rows]
     assert names[0] == "memory for 10 concurrent sessions" and rows[0]["gain"] == "-64.4%"
     assert any("turn 30 (rolling update)" in n for n in names)
-    move = rows[-1]
+    move, fa_off = rows[-2:]
     assert move["without"] == "23,000 ms" and move["with"] == "261 ms"
+    assert fa_off["scenario"].endswith("(llama-server -fa off)") and fa_off["without"] == "31,000 ms"
 
 
 def test_render_markdown_from_a_fixed_report(tmp_path: Path) -> None:
@@ -145,6 +149,9 @@ def test_render_markdown_from_a_fixed_report(tmp_path: Path) -> None:
     assert "| 4,096 | prewarmed RAM | 5 | 2 | 45.0 | 28.0 |" in md
     assert "| 4,096 | 241 / 242 | 80.0 |" in md  # prewarmed hop TTFT p50 / p90, restore
     assert "(prewarmed: **met**)" in md
+    # The -fa off run beside the default one: recompute, warm, hop TTFTs, and the default's.
+    assert "started with `-fa off`" in md
+    assert "| 4,096 | 31,000 | 23,000 | 90.0 | 150 | 261 / 262 | 900 | 241 | 261 | 1.18 | 2 | **met** |" in md
     for path in images.values():
         assert Path(path).stat().st_size > 1000
         assert f"]({Path(path).relative_to(tmp_path).as_posix()})" in md
