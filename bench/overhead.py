@@ -20,7 +20,9 @@ sends the same request straight to llama-server and through the sidecar, in alte
                  history differs from the slot's last chat, so the sidecar renders and tokenizes
 
 How the sidecar learned the tokens (in-process, by asking llama-server, or not at all for a
-follow-up) is reported per kind.
+follow-up) is reported per kind, with the mean time it took (``kvtier_prompt_seconds``). The
+``GET /health`` row is the extra HTTP hop alone: llama-server's health check passed through the
+sidecar untouched, against the same request sent straight to llama-server.
 Between two requests the benchmark waits until the sidecar's background save of the slot has
 finished (``kvtier_pending_saves`` 0), as it would between turns of a conversation; the
 ``back-to-back`` row sends sidecar requests without that pause, so each waits for the save the
@@ -167,6 +169,16 @@ async def measure(prompt_tokens: int, reps: int, threads: int, redis_url: str,
                             prog.advance(task)
                 after = await scrape(s, node.sidecar_url)
                 out["kinds"][kind] = _kind_result(direct, side, before, after, prompt_n, compute)
+            # The extra HTTP hop alone: a request kvtier passes through untouched (no compute either side).
+            walls: dict[str, list[float]] = {"direct": [], "sidecar": []}
+            for i in range(reps):
+                for which in ("direct", "sidecar") if i % 2 == 0 else ("sidecar", "direct"):
+                    t0 = time.perf_counter()
+                    async with s.get((alone.llama_url if which == "direct" else node.sidecar_url) + "/health") as r:
+                        await r.read()
+                    walls[which].append((time.perf_counter() - t0) * 1000)
+            out["passthrough"] = {"direct_ms": summary(walls["direct"], 3), "sidecar_ms": summary(walls["sidecar"], 3),
+                                  "paired_diff_ms": summary([b - a for a, b in zip(walls["direct"], walls["sidecar"])], 3)}
             # A burst: sidecar requests back to back, each waiting for the previous one's slot save.
             path, body = request_for("completion", tokens, text)
             burst: list[float] = []
@@ -212,6 +224,8 @@ def _kind_result(direct: list[float], side: list[float], before: Samples, after:
     ways = {way: int(delta(after, before, "kvtier_prompt_seconds_count", way=way))
             for way in ("ids", "in_process", "llama_server")}
     ways["follow_up"] = int(metric(after, "kvtier_follow_ups_total") - metric(before, "kvtier_follow_ups_total"))
+    prompt_s = sum(delta(after, before, "kvtier_prompt_seconds_sum", way=way) for way in ("ids", "in_process", "llama_server"))
+    prompt_count = sum(ways[way] for way in ("ids", "in_process", "llama_server"))
     p50_delta = round(percentile(side, 50) - percentile(direct, 50), 2)
     return {
         "direct_ms": summary(direct, 2), "sidecar_ms": summary(side, 2),
@@ -220,6 +234,8 @@ def _kind_result(direct: list[float], side: list[float], before: Samples, after:
         "sidecar_histogram": {"count": int(count), "mean_ms": round(1000 * total / count, 3) if count else None,
                               "p50_ms_bucketed": round(1000 * q50, 3) if q50 is not None else None,
                               "p90_ms_bucketed": round(1000 * q90, 3) if q90 is not None else None},
+        # Of the sidecar's own time: learning the prompt tokens (rendering, tokenizing), per request.
+        "prompt_tokens_mean_ms": round(1000 * prompt_s / prompt_count, 3) if prompt_count else None,
         # How the sidecar learned the prompt tokens: given ids, in-process, or llama-server round trips.
         "prompt_tokens_by": {way: n for way, n in ways.items() if n},
         "prompt_n_max": max(prompt_n) if prompt_n else None,
@@ -234,16 +250,21 @@ def rows(res: dict[str, Any]) -> list[list[Any]]:
     for kind, k in res["kinds"].items():
         out.append([kind, k["direct_ms"]["p50"], k["direct_ms"]["p90"], k["sidecar_ms"]["p50"], k["sidecar_ms"]["p90"],
                     k["added_ms_p50"], k["paired_diff_ms"]["p50"], k["added_outside_compute_ms_p50"],
-                    k["sidecar_histogram"]["mean_ms"], _ways(k.get("prompt_tokens_by", {})),
-                    "met" if k["target_under_2ms"] else "NOT met"])
+                    k["sidecar_histogram"]["mean_ms"], k.get("prompt_tokens_mean_ms"),
+                    _ways(k.get("prompt_tokens_by", {})), "met" if k["target_under_2ms"] else "NOT met"])
+    if "passthrough" in res:
+        d, p = res["passthrough"]["direct_ms"], res["passthrough"]["sidecar_ms"]
+        out.append(["GET /health (passed through)", d["p50"], d["p90"], p["p50"], p["p90"],
+                    round(p["p50"] - d["p50"], 2), res["passthrough"]["paired_diff_ms"]["p50"], None, None, None,
+                    None, ""])
     b = res["back_to_back"]["sidecar_ms"]
-    out.append(["completion, back-to-back", None, None, b["p50"], b["p90"], None, None, None, None, None, ""])
+    out.append(["completion, back-to-back", None, None, b["p50"], b["p90"], None, None, None, None, None, None, ""])
     return out
 
 
 HEADERS = ["request", "direct p50 ms", "direct p90 ms", "sidecar p50 ms", "sidecar p90 ms", "added p50 ms",
            "paired diff p50 ms", "added outside llama-server's compute p50 ms", "sidecar's own mean ms",
-           "prompt tokens", "< 2 ms (outside compute)"]
+           "of which prompt tokens mean ms", "prompt tokens", "< 2 ms (outside compute)"]
 
 
 def _ways(ways: dict[str, int]) -> str:
