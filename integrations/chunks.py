@@ -295,7 +295,8 @@ def state_pieces(
 
     K rows, and V rows when no V is transposed, are views into ``payloads``. Where the target wants
     transposed V (a server without flash attention) or a chunk holds it, each element row of a layer
-    interleaves all chunks: that layer's V block is built in a buffer of its own (~half the bytes).
+    interleaves all chunks: each layer's V block is built once, into one buffer for all layers
+    (about half the state's bytes).
 
     Raises:
         StateFormatError: a payload is malformed, out of order, disagrees with the others, or its
