@@ -369,12 +369,8 @@ class KVEngine:
                      decision.reason, decision.predicted_recompute_s * 1e3, decision.predicted_restore_s * 1e3)
             return
         t0 = time.perf_counter()
-        fetching = self.store.fetch(plan.namespace, found.chunks, promote=False)
-        if tail is None:
-            fetched, tail_payload = await fetching, None
-        else:
-            fetched, tail_payload = await asyncio.gather(
-                fetching, self.store.get_verified(tail.key, tail.hash, plan.namespace))
+        fetched, tail_payload = await self.store.fetch_with_tail(
+            plan.namespace, found.chunks, (tail.key, tail.hash) if tail is not None else None, promote=False)
         payloads = list(fetched.payloads)
         n_tokens = fetched.n_tokens
         tiers = set(fetched.tiers)

@@ -9,7 +9,6 @@ manifest is JSON, validated field by field, and every chunk is checked by the bl
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import re
@@ -197,12 +196,9 @@ class SessionStore:
         """
         toks = manifest.tokens
         chain = prefix_chain(namespace, toks, manifest.chunks)
-        fetching = self.store.fetch(namespace, chain)
-        if manifest.tail_tokens:  # fetched beside the chunks
-            fetched, tail = await asyncio.gather(fetching, self.store.get_verified(
-                tail_key(namespace, manifest.id, manifest.tail_hash), bytes.fromhex(manifest.tail_hash), namespace))
-        else:
-            fetched, tail = await fetching, None
+        tail_at = ((tail_key(namespace, manifest.id, manifest.tail_hash), bytes.fromhex(manifest.tail_hash))
+                   if manifest.tail_tokens else None)
+        fetched, tail = await self.store.fetch_with_tail(namespace, chain, tail_at)
         if fetched.n_chunks < manifest.chunks:
             raise SessionIncomplete(
                 f"session {manifest.id!r}: {manifest.chunks - fetched.n_chunks} of {manifest.chunks} chunks are gone"

@@ -225,6 +225,15 @@ class TieredStore:
             result = replace(result, seconds=time.perf_counter() - t0)
         return result
 
+    async def fetch_with_tail(self, namespace: Namespace, chain: Sequence[ChunkHash], tail: tuple[bytes, bytes] | None,
+                              *, promote: bool = True) -> tuple[FetchResult, bytes | memoryview | None]:
+        """``fetch`` of ``chain`` and, beside it rather than after it, ``get_verified`` of a partial
+        tail given as (key, value hash); None for the tail when there is none, or it is gone or damaged."""
+        fetching = self.fetch(namespace, chain, promote=promote)
+        if tail is None:
+            return await fetching, None
+        return await asyncio.gather(fetching, self.get_verified(tail[0], tail[1], namespace))
+
     async def promote(self, fetched: FetchResult) -> None:
         """Copy the chunks ``fetched`` found in lower tiers into the synchronous tiers above them."""
         order = {t.name: i for i, t in enumerate(self.tiers)}
