@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from typing import Literal
-from urllib.parse import parse_qsl, unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, unquote_plus, urlsplit
 
 from .errors import ConfigError
 
@@ -94,6 +94,11 @@ def parse_redis_url(url: str) -> RedisTarget:
     if parts.fragment:
         raise ConfigError(f"redis url {shown!r} must not have a #fragment")
     netloc = parts.netloc
+    if "@" in url.partition("://")[2].removeprefix(netloc):
+        # A password with an unencoded / ? # or @ leaves an '@' behind the host, and pieces of the
+        # password would be quoted as a host, port, db or option below.
+        raise ConfigError(f"malformed redis url {shown!r}: an '@' after the host; percent-encode "
+                          "/ ? # @ in the user name and password (and @ as %40 elsewhere)")
     userinfo, at, hostinfo = netloc.rpartition("@")
     username = password = None
     if at:
@@ -196,24 +201,38 @@ def _parse_hosts(hostinfo: str, default_port: int, shown: str) -> tuple[tuple[st
     return tuple(hosts)
 
 
+# Query parameters whose values are hidden in logs: password, sentinel_password, passwd, token, ...
+_SECRET_PARAM_RE = re.compile(r"pass|pwd|secret|token|auth", re.IGNORECASE)
+_PARAM_RE = re.compile(r"(?P<sep>^|[?&;])(?P<name>[^?&;=#]*)=(?P<value>[^&;#]*)")
+
+
 def redacted_url(url: str) -> str:
-    """The URL with any password (in the userinfo or the query) replaced by ``***``; safe to log."""
+    """The URL with every secret replaced by ``***``; safe to log.
+
+    Hidden: the password of the userinfo (``redis://user:***@host``) and the value of every query
+    parameter named like a secret (``password``, ``sentinel_password``, ``token``, ...; names are
+    compared percent-decoded). A malformed URL is redacted too, erring towards hiding more: the
+    userinfo ends at the URL's last ``@``, so a password holding an unencoded ``/ ? # @`` stays
+    hidden, and a fragment is hidden whole.
+    """
     if not isinstance(url, str):
         return "<not a url>"
     scheme, sep, rest = url.partition("://")
     if not sep:
-        return re.sub(r"[^@/]*@", "***@", url, count=1)
-    netloc_end = len(rest)
-    for ch in "/?#":
-        i = rest.find(ch)
-        # unix://user:pass@/path: the netloc ends at the first '/', after the userinfo.
-        if i != -1 and i < netloc_end:
-            netloc_end = i
-    netloc, tail = rest[:netloc_end], rest[netloc_end:]
-    userinfo, at, hostinfo = netloc.rpartition("@")
+        scheme, rest = "", url
+    userinfo, at, rest = rest.rpartition("@")
     if at:
         user, colon, _ = userinfo.partition(":")
-        netloc = f"{user}:***@{hostinfo}" if colon else f"***@{hostinfo}"
-    tail = re.sub(r"(?i)((?:^|[?&])[^=&]*password=)[^&#]*", r"\1***", tail)
-    return f"{scheme}://{netloc}{tail}"
+        # A user that holds a URL delimiter is part of a malformed URL: hidden with the rest.
+        userinfo = f"{user}:***@" if colon and not any(c in user for c in "/?#") else "***@"
+    rest, hash_, fragment = rest.partition("#")
+    # Parameters are found by their separators anywhere after the userinfo, not only after a '?':
+    # the userinfo may have taken that '?' when a query value held an '@'.
+    rest = _PARAM_RE.sub(_hidden_param, rest)
+    return f"{scheme}{sep}{userinfo}{rest}{hash_}{'***' if fragment else ''}"
 
+
+def _hidden_param(match: re.Match[str]) -> str:
+    if match["value"] and _SECRET_PARAM_RE.search(unquote_plus(match["name"])):
+        return f"{match['sep']}{match['name']}=***"
+    return match[0]
