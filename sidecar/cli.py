@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import sys
@@ -23,32 +22,10 @@ commands:
 """
 
 
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        out = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
-               "msg": record.getMessage()}
-        request_id = getattr(record, "request_id", None)
-        if request_id:
-            out["request_id"] = request_id
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out)
-
-
-def setup_logging(fmt: str = "text", level: str | None = None) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(level or os.environ.get("KVTIER_LOG_LEVEL", "INFO"))
-
-
 def cmd_serve(argv: Sequence[str]) -> int:
     from .app import effective_config, run
     from .config import load_settings
+    from .logs import setup_logging
 
     try:
         settings = load_settings(argv)

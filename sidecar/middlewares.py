@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import hmac
 import itertools
 import logging
@@ -13,20 +12,15 @@ from typing import Any
 
 from aiohttp import web
 
+from .logs import request_id
+
+__all__ = ["front_middleware", "json_error", "request_id"]  # request_id: the proxy's too
+
 log = logging.getLogger("kvtier.app")
 
-request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 OPEN_PATHS = ("/healthz", "/readyz")  # probes never need a token
 ADMIN_PREFIXES = ("/v1/sessions", "/openapi.json")
-
-
-class RequestIdFilter(logging.Filter):
-    """Adds the current request id to every log record (JSON logs print it)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.request_id = request_id.get()
-        return True
 
 
 def json_error(status: int, message: str, kind: str | None = None) -> web.Response:

@@ -1,0 +1,56 @@
+"""Logging of ``kvtier serve``: text or JSON lines, each stamped with the request it was logged for."""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import os
+import sys
+from typing import TextIO
+
+# Set by the front middleware for the length of a request; tasks the request starts inherit it.
+request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
+
+
+class RequestIdFilter(logging.Filter):
+    """Adds the current request id (empty outside a request) to every record it sees.
+
+    Installed on the handler, not a logger: a logger's filters see only the records logged on that
+    very logger, a handler's see those of every logger below the root.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = request_id.get()
+        return True
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object a line: ``ts``, ``level``, ``logger``, ``msg``, and ``request_id``, ``exc`` when set."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
+               "msg": record.getMessage()}
+        rid = getattr(record, "request_id", "")
+        if rid:
+            out["request_id"] = rid
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def setup_logging(fmt: str = "text", level: str | None = None, stream: TextIO | None = None) -> logging.Handler:
+    """Send every log record to ``stream`` (stderr) as ``text`` or ``json``; returns the handler.
+
+    The level is ``level``, else ``KVTIER_LOG_LEVEL``, else INFO.
+    """
+    handler = logging.StreamHandler(stream or sys.stderr)
+    handler.addFilter(RequestIdFilter())
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level or os.environ.get("KVTIER_LOG_LEVEL", "INFO"))
+    return handler
