@@ -1,16 +1,18 @@
 """Settings of ``kvtier serve``: defaults < YAML file < ``KVTIER_*`` env vars < flags.
 
-A wrong or contradictory option stops start-up with one clear line (``ConfigError``).
+Each setting is declared once, as a field of ``Settings``: its default, its help text and how a
+given value is parsed. Its flag (``--cache-size``), env var (``KVTIER_CACHE_SIZE``) and YAML key
+(``cache_size`` or ``cache-size``) follow from its name. A wrong or contradictory option stops
+start-up with one clear line (``ConfigError``).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import re
 import socket
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, NoReturn
@@ -21,78 +23,118 @@ import yaml
 from tiers.base import parse_size
 from tiers.codec import COMPRESSIONS
 from tiers.errors import ConfigError
-from tiers.redis_urls import parse_redis_url
+from tiers.redis_urls import parse_redis_url, redacted_url
 
-# name: (default, help). Sizes in bytes accept 512M / 2G; durations in seconds.
-DEFAULTS: dict[str, tuple[Any, str]] = {
-    "listen": ("0.0.0.0:8081", "HOST:PORT the sidecar listens on"),
-    "llama_url": ("http://127.0.0.1:8080", "llama-server base URL"),
-    "slot_dir": (None, "directory llama-server was given as --slot-save-path (required)"),
-    "redis_url": (None, "redis:// rediss:// unix:// redis+sentinel:// redis+cluster:// (optional)"),
-    "redis_username": (None, "Redis ACL user (overrides the URL's)"),
-    "redis_password": (None, "Redis password (overrides the URL's; prefer the env var or a file)"),
-    "redis_password_file": (None, "file holding the Redis password"),
-    "cache_size": ("2G", "RAM tier budget"),
-    "eviction": ("s3fifo", "RAM tier eviction policy: s3fifo or lru"),
-    "shared_dir": (None, "node-local shared tier directory (e.g. /dev/shm/kvtier); off when unset"),
-    "shared_size": ("4G", "shared tier budget"),
-    "chunk_tokens": (256, "tokens per prefix chunk"),
-    "compress": ("adaptive", "adaptive, lz4, zstd or none"),
-    "ttl": (86400, "seconds a chunk lives in Redis after its last hit (0 = no expiry)"),
-    "node_id": (None, "name of this node in events and metrics (default: hostname)"),
-    "model": (None, "path of the GGUF llama-server serves, to fingerprint it (default: from /props)"),
-    "model_id": (None, "explicit model identity instead of hashing the GGUF"),
-    "local_tokenizer": ("auto", "auto: render chats and tokenize prompts in kvtier where it can (tokenizing needs "
-                                "llama-cpp-python and the model file), checked against llama-server; off: ask it"),
-    "log_format": ("text", "text or json"),
-    "auth_token": (None, "bearer token for the sessions and admin API"),
-    "auth_token_file": (None, "file holding the bearer token"),
-    "auth_all": (False, "require the token on every endpoint, not only sessions/admin"),
-    "max_body": ("32M", "largest request body accepted"),
-    "queue_limit": (32, "pending background Redis write jobs (one per saved slot) before the oldest is dropped"),
-    "restore_min_tokens": (0, "never restore fewer tokens than this (0 = cost model decides)"),
-    "prefill_tps_prior": (300.0, "prior prefill rate (tokens/s) before one is measured"),
-    "restore_gbps_prior": (0.5, "prior restore bandwidth (GB/s) before one is measured"),
-    "prewarm": (False, "prefetch chunks announced by other nodes into the local tiers"),
-    "shutdown_timeout": (20.0, "seconds to drain requests and writes on SIGTERM"),
-    "keep_restore_files": ("1G", "bytes of restore files (one per slot) kept in the slot dir and overwritten in "
-                                 "place by the next restore: no new pages to allocate (0 = remove each after use)"),
-}
-SECRETS = ("redis_password", "auth_token")
+Parse = Callable[[str, Any], Any]  # (setting name, value as given) -> typed value; raises ConfigError
+
+
+def _text(name: str, value: Any) -> str:
+    # YAML gives numbers and booleans for bare words (8081, off); they are taken as written.
+    if not isinstance(value, (str, int, float)):
+        raise ConfigError(f"{name}: expected a string, got {type(value).__name__}")
+    return str(value)
+
+
+def _int(name: str, value: Any) -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{name}: expected an integer, got {value!r}")
+    try:
+        return int(str(value), 10)
+    except ValueError:
+        raise ConfigError(f"{name}: expected an integer, got {value!r}") from None
+
+
+def _float(name: str, value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: expected a number, got {value!r}") from None
+
+
+_BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def _bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in _BOOL_WORDS:
+        return _BOOL_WORDS[str(value).lower()]
+    raise ConfigError(f"{name}: expected true/false, got {value!r}")
+
+
+def _size(name: str, value: Any) -> int:
+    """Bytes; ``512M`` and ``2G`` accepted (binary units)."""
+    return parse_size(value if isinstance(value, (int, str)) else str(value), name=name)
+
+
+def _hidden(value: Any) -> str:
+    return "***"
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """The part of a setting's declaration that is not its name, type and default."""
+
+    help: str
+    parse: Parse = _text
+    redact: Callable[[Any], Any] | None = None  # what the start-up log shows instead of a set value
+
+    def shown_default(self, default: Any) -> str | None:
+        """The default as a user would write it (``2G`` rather than 2147483648); None when unset."""
+        if default is None or default == "":
+            return None
+        if self.parse is _size:
+            for unit, shift in (("T", 40), ("G", 30), ("M", 20), ("K", 10)):
+                if default and default % (1 << shift) == 0:
+                    return f"{default >> shift}{unit}"
+        return str(default)
+
+
+def _option(default: Any, help: str, parse: Parse = _text, redact: Callable[[Any], Any] | None = None) -> Any:
+    return field(default=default, repr=redact is None, metadata={"option": Option(help, parse, redact)})
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    listen: str = "0.0.0.0:8081"
-    llama_url: str = "http://127.0.0.1:8080"
-    slot_dir: str | None = None
-    redis_url: str | None = field(default=None, repr=False)  # may hold a password
-    redis_username: str | None = None
-    redis_password: str | None = field(default=None, repr=False)
-    redis_password_file: str | None = None
-    cache_size: int = 2 << 30
-    eviction: str = "s3fifo"
-    shared_dir: str | None = None
-    shared_size: int = 4 << 30
-    chunk_tokens: int = 256
-    compress: str = "adaptive"
-    ttl: int = 86400
-    node_id: str = ""
-    model: str | None = None
-    model_id: str | None = None
-    local_tokenizer: str = "auto"
-    log_format: str = "text"
-    auth_token: str | None = field(default=None, repr=False)
-    auth_token_file: str | None = None
-    auth_all: bool = False
-    max_body: int = 32 << 20
-    queue_limit: int = 32
-    restore_min_tokens: int = 0
-    prefill_tps_prior: float = 300.0
-    restore_gbps_prior: float = 0.5
-    prewarm: bool = False
-    shutdown_timeout: float = 20.0
-    keep_restore_files: int = 1 << 30
+    """Every setting of ``kvtier serve``. Sizes are bytes (``512M``/``2G`` accepted), durations seconds."""
+
+    listen: str = _option("0.0.0.0:8081", "HOST:PORT the sidecar listens on")
+    llama_url: str = _option("http://127.0.0.1:8080", "llama-server base URL")
+    slot_dir: str | None = _option(None, "directory llama-server was given as --slot-save-path (required)")
+    redis_url: str | None = _option(None, "redis:// rediss:// unix:// redis+sentinel:// redis+cluster:// (optional)",
+                                    redact=redacted_url)  # may hold passwords
+    redis_username: str | None = _option(None, "Redis ACL user (overrides the URL's)")
+    redis_password: str | None = _option(None, "Redis password (overrides the URL's; prefer the env var or a file)",
+                                         redact=_hidden)
+    redis_password_file: str | None = _option(None, "file holding the Redis password")
+    cache_size: int = _option(2 << 30, "RAM tier budget", _size)
+    eviction: str = _option("s3fifo", "RAM tier eviction policy: s3fifo or lru")
+    shared_dir: str | None = _option(None, "node-local shared tier directory (e.g. /dev/shm/kvtier); off when unset")
+    shared_size: int = _option(4 << 30, "shared tier budget", _size)
+    chunk_tokens: int = _option(256, "tokens per prefix chunk", _int)
+    compress: str = _option("adaptive", "adaptive, lz4, zstd or none")
+    ttl: int = _option(86400, "seconds a chunk lives in Redis after its last hit (0 = no expiry)", _int)
+    node_id: str = _option("", "name of this node in events and metrics (default: hostname)")
+    model: str | None = _option(None, "path of the GGUF llama-server serves, to fingerprint it (default: from /props)")
+    model_id: str | None = _option(None, "explicit model identity instead of hashing the GGUF")
+    local_tokenizer: str = _option("auto", "auto: render chats and tokenize prompts in kvtier where it can "
+                                           "(tokenizing needs llama-cpp-python and the model file), checked against "
+                                           "llama-server; off: ask it")
+    log_format: str = _option("text", "text or json")
+    auth_token: str | None = _option(None, "bearer token for the sessions and admin API", redact=_hidden)
+    auth_token_file: str | None = _option(None, "file holding the bearer token")
+    auth_all: bool = _option(False, "require the token on every endpoint, not only sessions/admin", _bool)
+    max_body: int = _option(32 << 20, "largest request body accepted", _size)
+    queue_limit: int = _option(32, "pending background Redis write jobs (one per saved slot) before the oldest "
+                                   "is dropped", _int)
+    restore_min_tokens: int = _option(0, "never restore fewer tokens than this (0 = cost model decides)", _int)
+    prefill_tps_prior: float = _option(300.0, "prior prefill rate (tokens/s) before one is measured", _float)
+    restore_gbps_prior: float = _option(0.5, "prior restore bandwidth (GB/s) before one is measured", _float)
+    prewarm: bool = _option(False, "prefetch chunks announced by other nodes into the local tiers", _bool)
+    shutdown_timeout: float = _option(20.0, "seconds to drain requests and writes on SIGTERM", _float)
+    keep_restore_files: int = _option(1 << 30, "bytes of restore files (one per slot) kept in the slot dir and "
+                                               "overwritten in place by the next restore: no new pages to allocate "
+                                               "(0 = remove each after use)", _size)
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -101,51 +143,22 @@ class Settings:
 
     def redacted(self) -> dict[str, Any]:
         """The effective settings with secrets hidden (for the start-up log)."""
-        out = dataclasses.asdict(self)
-        for key in SECRETS:
-            if out.get(key):
-                out[key] = "***"
-        if out.get("redis_url"):
-            out["redis_url"] = redact_url(out["redis_url"])
+        out: dict[str, Any] = {}
+        for name, option in OPTIONS.items():
+            value = getattr(self, name)
+            out[name] = option.redact(value) if option.redact is not None and value else value
         return out
 
 
-def redact_url(url: str) -> str:
-    """``redis://user:secret@host`` -> ``redis://user:***@host``."""
-    return re.sub(r"(//[^/@:]*:)[^@/]*@", r"\1***@", url)
+OPTIONS: dict[str, Option] = {f.name: f.metadata["option"] for f in fields(Settings)}
 
 
-_BOOL = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+def env_var(name: str) -> str:
+    return "KVTIER_" + name.upper()
 
 
-def _coerce(name: str, value: Any) -> Any:
-    default = DEFAULTS[name][0]
-    kind = type(default) if default is not None else str
-    if value is None:
-        return None
-    if name in ("cache_size", "shared_size", "max_body", "keep_restore_files"):
-        return parse_size(value if isinstance(value, (int, str)) else str(value), name=name)
-    if kind is bool:
-        if isinstance(value, bool):
-            return value
-        if str(value).lower() in _BOOL:
-            return _BOOL[str(value).lower()]
-        raise ConfigError(f"{name}: expected true/false, got {value!r}")
-    if kind is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{name}: expected an integer, got {value!r}")
-        try:
-            return int(str(value), 10)
-        except ValueError:
-            raise ConfigError(f"{name}: expected an integer, got {value!r}") from None
-    if kind is float:
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError(f"{name}: expected a number, got {value!r}") from None
-    if not isinstance(value, (str, int, float)):
-        raise ConfigError(f"{name}: expected a string, got {type(value).__name__}")
-    return str(value)
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -158,12 +171,15 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="kvtier serve", description="KV-cache sidecar in front of llama-server")
     p.add_argument("--config", help="YAML file with any of the settings below (keys with _ or -)")
-    for name, (default, help_text) in DEFAULTS.items():
-        flag = "--" + name.replace("_", "-")
-        if isinstance(default, bool):
-            p.add_argument(flag, dest=name, action="store_const", const=True, default=None, help=help_text)
-        else:
-            p.add_argument(flag, dest=name, default=None, help=f"{help_text} (default: {default})")
+    for f in fields(Settings):
+        option = OPTIONS[f.name]
+        if option.parse is _bool:
+            p.add_argument(flag(f.name), dest=f.name, action="store_const", const=True, default=None,
+                           help=option.help)
+            continue
+        shown = option.shown_default(f.default)
+        help_text = option.help if shown is None else f"{option.help} (default: {shown})"
+        p.add_argument(flag(f.name), dest=f.name, default=None, help=help_text)
     return p
 
 
@@ -171,24 +187,25 @@ def load_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | No
     """Merge defaults, the YAML file, ``KVTIER_*`` env vars and flags; validate the result."""
     env = os.environ if env is None else env
     args = build_parser().parse_args(list(argv) if argv is not None else None)
-    merged: dict[str, Any] = {name: default for name, (default, _) in DEFAULTS.items()}
+    given: dict[str, Any] = {}
     config_path = args.config or env.get("KVTIER_CONFIG")
     if config_path:
-        merged.update(_read_yaml(config_path))
-    for name in DEFAULTS:
-        value = env.get("KVTIER_" + name.upper())
+        given.update(_read_yaml(config_path))
+    for name in OPTIONS:
+        value = env.get(env_var(name))
         if value is not None and value != "":
-            merged[name] = value
-    for name in DEFAULTS:
+            given[name] = value
+    for name in OPTIONS:
         value = getattr(args, name)
         if value is not None:
-            merged[name] = value
-    values = {name: _coerce(name, value) for name, value in merged.items()}
+            given[name] = value
+    values: dict[str, Any] = {name: None if value is None else OPTIONS[name].parse(name, value)
+                              for name, value in given.items()}
     values["redis_password"] = _secret(values, "redis_password", "redis_password_file")
     values["auth_token"] = _secret(values, "auth_token", "auth_token_file")
     if not values.get("node_id"):
         values["node_id"] = socket.gethostname()
-    settings = Settings(**{f.name: values[f.name] for f in fields(Settings) if f.name in values})
+    settings = Settings(**values)
     validate(settings)
     return settings
 
@@ -209,7 +226,7 @@ def _read_yaml(path: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
-        if name not in DEFAULTS:
+        if name not in OPTIONS:
             raise ConfigError(f"config file {path}: unknown setting {key!r}")
         out[name] = value
     return out

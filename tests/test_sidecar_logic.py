@@ -11,13 +11,14 @@ import pytest
 
 from integrations.llama_server import Timings
 from sidecar.cli_client import summarize_metrics
-from sidecar.config import Settings, load_settings, redact_url
+from sidecar.config import Settings, load_settings
 from sidecar.costmodel import CostModel
 from sidecar.metrics import Metrics
 from sidecar.prompts import chat_digests
 from sidecar.proxy import upstream_body
 from sidecar.slots import FOLLOW_UP_MAX_CHARS, SlotTable, common_prefix, continues
 from tiers.errors import ConfigError
+from tiers.redis_urls import redacted_url
 
 
 def arr(*xs: int) -> np.ndarray:
@@ -169,7 +170,7 @@ def test_settings_precedence_and_redaction(tmp_path: Path) -> None:
     assert s.cache_size == 3 << 30  # env beats file
     assert s.chunk_tokens == 64  # flag beats env
     assert "hunter2" not in str(s.redacted()) and "hunter2" not in repr(s)
-    assert redact_url("rediss://user:pw@host:1/0") == "rediss://user:***@host:1/0"
+    assert redacted_url("rediss://user:pw@host:1/0") == "rediss://user:***@host:1/0"
     secret = tmp_path / "token"
     secret.write_text("abc\n")
     s2 = load_settings(["--slot-dir", str(tmp_path), "--auth-token-file", str(secret), "--auth-all"], env={})
