@@ -8,7 +8,6 @@ import glob
 import json
 import logging
 import os
-import tempfile
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,10 +23,8 @@ from .appkeys import ENGINE, METRICS, REDIS, SETTINGS, STORE, UPSTREAM
 from .config import Settings
 from .engine import KVEngine
 from .metrics import Metrics
-from .middlewares import front_middleware, json_error
-from .openapi import openapi_handler
-from .proxy import COMPLETION_KINDS, handle_completion, passthrough
-from .sessions_api import ROUTES as SESSION_ROUTES
+from .middlewares import front_middleware
+from .routes import auth_policy, route_defs
 from .upstream import Upstream
 
 log = logging.getLogger("kvtier.app")
@@ -125,80 +122,14 @@ async def _watch_llama_server(engine: KVEngine) -> None:
         was_up = up
 
 
-async def healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok"})
-
-
-async def readyz(request: web.Request) -> web.Response:
-    engine = request.app[ENGINE]
-    checks: dict[str, Any] = {}
-    try:
-        await engine.client.health()
-        checks["llama_server"] = "ok"
-    except LlamaServerError as exc:
-        checks["llama_server"] = str(exc)
-    checks["slot_dir"] = _dir_writable(str(engine.slot_dir))
-    checks["kv_cache"] = "ok" if await engine.ensure_ready() else f"not ready: {engine.last_error}"
-    redis = request.app[REDIS]
-    if redis is not None:
-        checks["redis"] = "ok" if await redis.ping() else "unavailable (serving from local tiers)"
-    ready = checks["llama_server"] == "ok" and checks["slot_dir"] == "ok"
-    return web.json_response({"ready": ready, "checks": checks}, status=200 if ready else 503)
-
-
-def _dir_writable(path: str) -> str:
-    try:
-        with tempfile.NamedTemporaryFile(dir=path, prefix="kvtier-ready-"):
-            pass
-        return "ok"
-    except OSError as exc:
-        return f"not writable: {exc.strerror}"
-
-
-async def metrics_endpoint(request: web.Request) -> web.Response:
-    metrics = request.app[METRICS]
-    redis = request.app[REDIS]
-    if redis is not None:
-        metrics.redis_circuit.set(0 if redis.stats().available else 1)
-    return web.Response(body=metrics.render(), content_type="text/plain", charset="utf-8")
-
-
-def _allowed_methods(path: str) -> str | None:
-    """The methods of kvtier's own paths (for 405 answers), None for everything else."""
-    if path in ("/healthz", "/readyz", "/metrics", "/openapi.json", "/v1/sessions"):
-        return "GET, HEAD"
-    parts = path.split("/")
-    if path.startswith("/v1/sessions/") and len(parts) == 4:
-        return "GET, HEAD, PUT, DELETE"
-    if path.startswith("/v1/sessions/") and len(parts) == 5 and parts[4] == "restore":
-        return "POST"
-    return None
-
-
-async def catch_all(request: web.Request) -> web.StreamResponse:
-    """Everything that is not kvtier's own goes to llama-server unchanged."""
-    allowed = _allowed_methods(request.path)
-    if allowed is not None:
-        response = json_error(405, f"{request.method} {request.path} is not part of the kvtier API")
-        response.headers["Allow"] = allowed
-        return response
-    if request.path.startswith("/v1/sessions/"):
-        return json_error(404, f"{request.path} is not part of the kvtier API")
-    return await passthrough(request)
-
-
 def create_app(settings: Settings) -> web.Application:
     """The sidecar: KV flow on completion routes, health/metrics, everything else passed through."""
-    app = web.Application(middlewares=[front_middleware(settings.auth_token, settings.auth_all)],
-                          client_max_size=settings.max_body)
+    auth = auth_policy(settings.auth_token, settings.auth_all)
+    app = web.Application(middlewares=[front_middleware(auth)], client_max_size=settings.max_body)
     app[SETTINGS] = settings
     app[METRICS] = Metrics()
     app.cleanup_ctx.append(_resources)
-    routes = [web.get("/healthz", healthz), web.get("/readyz", readyz), web.get("/metrics", metrics_endpoint),
-              web.get("/openapi.json", openapi_handler), *SESSION_ROUTES]
-    routes += [web.post(path, handle_completion) for path in COMPLETION_KINDS]
-    routes.append(web.route("*", "/{tail:.*}", catch_all))
-    app.add_routes(routes)
+    app.add_routes(route_defs())
     return app
 
 

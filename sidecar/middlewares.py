@@ -8,19 +8,36 @@ import itertools
 import logging
 import os
 import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
 from .logs import request_id
 
-__all__ = ["front_middleware", "json_error", "request_id"]  # request_id: the proxy's too
+# request_id is the proxy's too.
+__all__ = ["AuthPolicy", "Handler", "front_middleware", "json_error", "request_id"]
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 log = logging.getLogger("kvtier.app")
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-OPEN_PATHS = ("/healthz", "/readyz")  # probes never need a token
-ADMIN_PREFIXES = ("/v1/sessions", "/openapi.json")
+
+
+@dataclass(frozen=True, slots=True)
+class AuthPolicy:
+    """Which paths need the bearer token; ``routes.auth_policy`` builds it from the route table."""
+
+    token: str | None = None  # no token: every path is open
+    open_paths: frozenset[str] = frozenset()  # never need it (the probes)
+    token_prefixes: tuple[str, ...] = ()  # need it whenever a token is set (the sessions API, admin)
+    protect_all: bool = False  # every path but the open ones needs it
+
+    def needs_token(self, path: str) -> bool:
+        return bool(self.token) and path not in self.open_paths and (
+            self.protect_all or path.startswith(self.token_prefixes))
 
 
 def json_error(status: int, message: str, kind: str | None = None) -> web.Response:
@@ -38,26 +55,25 @@ def _new_request_id() -> str:
     return f"{_ID_PREFIX}{next(_ID_COUNTER):08x}"
 
 
-def front_middleware(token: str | None, protect_all: bool) -> Any:
+def front_middleware(auth: AuthPolicy) -> Any:
     """One middleware for every request (each layer costs a coroutine call on the hot path):
 
     - a request id (the client's ``X-Request-Id`` if well-formed, else a new one) in every log
       line and on the answer;
-    - a bearer token on the sessions/admin endpoints, or on every endpoint but the probes;
+    - the bearer token where ``auth`` asks for it;
     - errors as llama-server's JSON shape, never a traceback.
     """
-    expected = f"Bearer {token}".encode() if token else b""
+    expected = f"Bearer {auth.token}".encode() if auth.token else b""
 
     @web.middleware
-    async def front(request: web.Request, handler: Any) -> web.StreamResponse:
+    async def front(request: web.Request, handler: Handler) -> web.StreamResponse:
         given = request.headers.get("X-Request-Id", "")
         rid = given if given and _REQUEST_ID_RE.fullmatch(given) else _new_request_id()
         reset = request_id.set(rid)
         try:
-            path = request.path
             # compare_digest: the time taken does not tell how much of the token matched.
-            denied = bool(token) and path not in OPEN_PATHS and (protect_all or path.startswith(ADMIN_PREFIXES)) \
-                and not hmac.compare_digest(request.headers.get("Authorization", "").encode(), expected)
+            denied = auth.needs_token(request.path) and \
+                not hmac.compare_digest(request.headers.get("Authorization", "").encode(), expected)
             response = json_error(401, "missing or wrong bearer token") if denied else \
                 await _json_errors(request, handler)
             if not response.prepared:
@@ -69,7 +85,7 @@ def front_middleware(token: str | None, protect_all: bool) -> Any:
     return front
 
 
-async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except web.HTTPException as exc:

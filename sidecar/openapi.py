@@ -1,12 +1,18 @@
-"""``/openapi.json``: the sidecar's own API (the proxied llama-server API is described by name only)."""
+"""``/openapi.json``: the sidecar's own API, described from the route table (``routes.py``).
+
+The llama-server API kvtier passes through is described by name only.
+"""
 
 from __future__ import annotations
 
-from typing import Any
-
-from aiohttp import web
+import re
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 from tiers.sessions import SESSION_ID_RE
+
+if TYPE_CHECKING:
+    from .routes import Route
 
 ERROR = {"$ref": "#/components/schemas/Error"}
 
@@ -42,73 +48,72 @@ MANIFEST = {
         "created": {"type": "number"}, "last_used": {"type": "number"},
     },
 }
-AUTH = [{"bearer": []}]
+AUTH: list[dict[str, list[str]]] = [{"bearer": []}]
+PATH_PARAMETERS = {"id": SESSION_ID}  # by the name a route's path gives them ({id})
 
-SPEC: dict[str, Any] = {
-    "openapi": "3.0.3",
-    "info": {"title": "kvtier sidecar", "version": "1",
-             "description": "KV-cache sidecar for llama-server. Completion endpoints go through the KV flow; every "
-                            "other path is passed through to llama-server unchanged."},
-    "components": {
-        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
-        "schemas": {"Error": {"type": "object", "required": ["error"], "properties": {"error": {
-            "type": "object", "required": ["code", "message"],
-            "properties": {"code": {"type": "integer"}, "message": {"type": "string"}, "type": {"type": "string"}},
-        }}}},
-    },
-    "paths": {
-        "/healthz": {"get": {"summary": "The process is alive", "responses": {"200": _json({"type": "object"})}}},
-        "/readyz": {"get": {"summary": "llama-server healthy and slot dir writable (Redis reported, not required)",
-                            "responses": {"200": _json({"type": "object"}), "503": _json({"type": "object"}, "Not ready")}}},
-        "/metrics": {"get": {"summary": "Prometheus metrics",
-                             "responses": {"200": {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
-        "/v1/sessions": {"get": {
-            "summary": "List sessions", "security": AUTH,
-            "parameters": [
-                {"name": "prefix", "in": "query", "schema": {"type": "string", "maxLength": 128}},
-                {"name": "after", "in": "query", "schema": {"type": "string", "maxLength": 128}},
-                {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000}},
-            ],
-            "responses": {"200": _json({"type": "object", "required": ["sessions", "shared"], "properties": {
-                "sessions": {"type": "array", "items": MANIFEST}, "shared": {"type": "boolean"},
-                "next": {"type": "string"}}}), **_errors(400, 401, 503)},
-        }},
-        "/v1/sessions/{id}": {
-            "parameters": [SESSION_ID],
-            "get": {"summary": "A session's manifest and where its chunks live", "security": AUTH,
-                    "responses": {"200": _json({"allOf": [MANIFEST, {"type": "object", "properties": {
-                        "shared": {"type": "boolean"}, "chunks_available": {"type": "integer"},
-                        "chunks_by_tier": {"type": "object", "additionalProperties": {"type": "integer"}}}}]}),
-                        **_errors(400, 401, 404, 503)}},
-            "put": {"summary": "Save a session from the slot that served it (or the given slot)", "security": AUTH,
-                    "requestBody": SLOT_BODY,
-                    "responses": {"200": _json({"type": "object", "required": ["id", "slot", "tokens", "chunks", "bytes", "ms"],
-                                                "properties": {"id": {"type": "string"}, "slot": {"type": "integer"},
-                                                               "tokens": {"type": "integer"}, "chunks": {"type": "integer"},
-                                                               "tail_tokens": {"type": "integer"}, "bytes": {"type": "integer"},
-                                                               "shared": {"type": "boolean"}, "ms": {"type": "number"}}}),
-                                  **_errors(400, 401, 403, 409, 413, 502, 503)}},
-            "delete": {"summary": "Delete a session (its shared chunks stay)", "security": AUTH,
-                       "responses": {"200": _json({"type": "object"}), **_errors(400, 401, 404, 503)}},
-        },
-        "/v1/sessions/{id}/restore": {
-            "parameters": [SESSION_ID],
-            "post": {"summary": "Restore a session into a slot of this node", "security": AUTH, "requestBody": SLOT_BODY,
-                     "responses": {"200": _json({"type": "object", "required": ["id", "slot", "n_restored", "tier", "ms"],
-                                                 "properties": {"id": {"type": "string"}, "slot": {"type": "integer"},
-                                                                "n_restored": {"type": "integer"}, "tier": {"type": "string"},
-                                                                "ms": {"type": "number"}}}),
-                                   **_errors(400, 401, 404, 409, 410, 413, 502, 503)}},
-        },
-        "/completion": {"post": {"summary": "llama-server completion through the KV flow (X-Session-Id, X-KVTier-Salt)",
-                                 "responses": {"200": {"description": "llama-server's answer, relayed"}}}},
-        "/v1/completions": {"post": {"summary": "OpenAI completions through the KV flow",
-                                     "responses": {"200": {"description": "llama-server's answer, relayed"}}}},
-        "/v1/chat/completions": {"post": {"summary": "OpenAI chat completions through the KV flow",
-                                          "responses": {"200": {"description": "llama-server's answer, relayed"}}}},
-    },
+# Each operation's parameters, body and answers; the route table gives its method, path, summary
+# and whether it needs the bearer token.
+HEALTHZ = {"responses": {"200": _json({"type": "object"})}}
+READYZ = {"responses": {"200": _json({"type": "object"}), "503": _json({"type": "object"}, "Not ready")}}
+METRICS = {"responses": {"200": {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}}}}
+LIST_SESSIONS = {
+    "parameters": [
+        {"name": "prefix", "in": "query", "schema": {"type": "string", "maxLength": 128}},
+        {"name": "after", "in": "query", "schema": {"type": "string", "maxLength": 128}},
+        {"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000}},
+    ],
+    "responses": {"200": _json({"type": "object", "required": ["sessions", "shared"], "properties": {
+        "sessions": {"type": "array", "items": MANIFEST}, "shared": {"type": "boolean"},
+        "next": {"type": "string"}}}), **_errors(400, 401, 503)},
+}
+GET_SESSION = {"responses": {"200": _json({"allOf": [MANIFEST, {"type": "object", "properties": {
+    "shared": {"type": "boolean"}, "chunks_available": {"type": "integer"},
+    "chunks_by_tier": {"type": "object", "additionalProperties": {"type": "integer"}}}}]}),
+    **_errors(400, 401, 404, 503)}}
+SAVE_SESSION = {
+    "requestBody": SLOT_BODY,
+    "responses": {"200": _json({"type": "object", "required": ["id", "slot", "tokens", "chunks", "bytes", "ms"],
+                                "properties": {"id": {"type": "string"}, "slot": {"type": "integer"},
+                                               "tokens": {"type": "integer"}, "chunks": {"type": "integer"},
+                                               "tail_tokens": {"type": "integer"}, "bytes": {"type": "integer"},
+                                               "shared": {"type": "boolean"}, "ms": {"type": "number"}}}),
+                  **_errors(400, 401, 403, 409, 413, 502, 503)},
+}
+DELETE_SESSION = {"responses": {"200": _json({"type": "object"}), **_errors(400, 401, 404, 503)}}
+RESTORE_SESSION = {
+    "requestBody": SLOT_BODY,
+    "responses": {"200": _json({"type": "object", "required": ["id", "slot", "n_restored", "tier", "ms"],
+                                "properties": {"id": {"type": "string"}, "slot": {"type": "integer"},
+                                               "n_restored": {"type": "integer"}, "tier": {"type": "string"},
+                                               "ms": {"type": "number"}}}),
+                  **_errors(400, 401, 404, 409, 410, 413, 502, 503)},
+}
+RELAYED = {"responses": {"200": {"description": "llama-server's answer, relayed"}}}
+
+INFO = {"title": "kvtier sidecar", "version": "1",
+        "description": "KV-cache sidecar for llama-server. Completion endpoints go through the KV flow; every "
+                       "other path is passed through to llama-server unchanged."}
+COMPONENTS = {
+    "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+    "schemas": {"Error": {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["code", "message"],
+        "properties": {"code": {"type": "integer"}, "message": {"type": "string"}, "type": {"type": "string"}},
+    }}}},
 }
 
 
-async def openapi_handler(request: web.Request) -> web.Response:
-    return web.json_response(SPEC)
+def document(routes: Iterable[Route]) -> dict[str, Any]:
+    """The OpenAPI document of the routes that carry a description."""
+    paths: dict[str, dict[str, Any]] = {}
+    for route in routes:
+        if route.doc is None:
+            continue
+        item = paths.setdefault(route.path, {})
+        parameters = [PATH_PARAMETERS[name] for name in re.findall(r"\{(\w+)\}", route.path)]
+        if parameters:
+            item["parameters"] = parameters
+        operation: dict[str, Any] = {"summary": route.summary}
+        if route.access == "admin":
+            operation["security"] = AUTH
+        item[route.method.lower()] = {**operation, **route.doc}
+    return {"openapi": "3.0.3", "info": INFO, "components": COMPONENTS, "paths": paths}

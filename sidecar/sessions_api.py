@@ -1,10 +1,8 @@
-"""Explicit mode: the HTTP sessions API.
+"""Explicit mode: the HTTP sessions API (its paths are in ``routes.py``).
 
-PUT    /v1/sessions/{id}           save a session from a slot (the one that served it, or {"slot": n})
-POST   /v1/sessions/{id}/restore   restore it into a slot of this node ({"slot": n} optional)
-GET    /v1/sessions/{id}           its manifest and where its chunks live
-GET    /v1/sessions                list (?prefix=&after=&limit=)
-DELETE /v1/sessions/{id}           delete the manifest and tail (shared chunks stay)
+Save a session from a slot (the one that served it, or ``{"slot": n}``), restore it into a slot of
+this node (``{"slot": n}`` optional), show its manifest and where its chunks live, list sessions
+(``?prefix=&after=&limit=``), delete one (its manifest and tail; shared chunks stay).
 
 A slot another request is using is waited for up to ``wait_s`` (body field, default 10 s, at
 most 120 s); then the answer is 409. Session ids never reach the filesystem: slot files are named
@@ -16,7 +14,6 @@ from __future__ import annotations
 import functools
 import json
 import time
-from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -26,10 +23,9 @@ from tiers.errors import KVTierError, TierUnavailable
 from tiers.sessions import SessionIncomplete, SessionNotFound, validate_session_id
 
 from .appkeys import ENGINE, METRICS
-from .middlewares import json_error
+from .middlewares import Handler, json_error
 
 MAX_BODY = 64 * 1024
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 DEFAULT_WAIT_S = 10.0
 MAX_WAIT_S = 120.0
 
@@ -38,6 +34,27 @@ class ApiError(Exception):
     def __init__(self, status: int, kind: str, message: str):
         super().__init__(message)
         self.status, self.kind, self.message = status, kind, message
+
+
+def sessions_errors(handler: Handler) -> Handler:
+    """The sessions API's typed errors as JSON with the right status."""
+
+    @functools.wraps(handler)
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return json_error(exc.status, exc.message, exc.kind)
+        except SessionNotFound as exc:
+            return json_error(404, str(exc), "not_found")
+        except SessionIncomplete as exc:
+            return json_error(410, str(exc), "gone")
+        except TierUnavailable as exc:
+            return json_error(503, str(exc), "unavailable")
+        except KVTierError as exc:
+            return json_error(502, str(exc), "cache_error")
+
+    return wrapped
 
 
 async def _body(request: web.Request) -> dict[str, Any]:
@@ -104,6 +121,7 @@ async def _acquire(engine: Any, tokens: np.ndarray, slot: int | None, wait: floa
         raise ApiError(409, "conflict", f"slot {slot if slot is not None else '(any)'} stayed busy for {wait:g} s") from None
 
 
+@sessions_errors
 async def save_session(request: web.Request) -> web.Response:
     session_id = _session_id(request)
     data = await _body(request)
@@ -133,6 +151,7 @@ async def save_session(request: web.Request) -> web.Response:
     })
 
 
+@sessions_errors
 async def restore_session(request: web.Request) -> web.Response:
     session_id = _session_id(request)
     data = await _body(request)
@@ -154,6 +173,7 @@ async def restore_session(request: web.Request) -> web.Response:
                               "ms": round(ms, 2)})
 
 
+@sessions_errors
 async def get_session(request: web.Request) -> web.Response:
     session_id = _session_id(request)
     engine = await _engine_ready(request)
@@ -167,6 +187,7 @@ async def get_session(request: web.Request) -> web.Response:
                               "chunks_available": found.n_chunks, "chunks_by_tier": where})
 
 
+@sessions_errors
 async def list_sessions(request: web.Request) -> web.Response:
     engine = await _engine_ready(request)
     q = request.query
@@ -191,6 +212,7 @@ async def list_sessions(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
+@sessions_errors
 async def delete_session(request: web.Request) -> web.Response:
     session_id = _session_id(request)
     engine = await _engine_ready(request)
@@ -199,33 +221,3 @@ async def delete_session(request: web.Request) -> web.Response:
         raise SessionNotFound(f"no session {session_id!r}")
     engine.session_slots.pop(session_id, None)
     return web.json_response({"id": session_id, "deleted": True})
-
-
-def sessions_errors(handler: Handler) -> Handler:
-    """The sessions API's typed errors as JSON with the right status."""
-
-    @functools.wraps(handler)
-    async def wrapped(request: web.Request) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except ApiError as exc:
-            return json_error(exc.status, exc.message, exc.kind)
-        except SessionNotFound as exc:
-            return json_error(404, str(exc), "not_found")
-        except SessionIncomplete as exc:
-            return json_error(410, str(exc), "gone")
-        except TierUnavailable as exc:
-            return json_error(503, str(exc), "unavailable")
-        except KVTierError as exc:
-            return json_error(502, str(exc), "cache_error")
-
-    return wrapped
-
-
-ROUTES = [
-    web.put("/v1/sessions/{id}", sessions_errors(save_session)),
-    web.post("/v1/sessions/{id}/restore", sessions_errors(restore_session)),
-    web.get("/v1/sessions/{id}", sessions_errors(get_session)),
-    web.get("/v1/sessions", sessions_errors(list_sessions)),
-    web.delete("/v1/sessions/{id}", sessions_errors(delete_session)),
-]

@@ -1,0 +1,140 @@
+"""The sidecar's routes, declared once.
+
+``ROUTES`` feeds aiohttp's router (``route_defs``), the ``Allow`` header of a 405 (``allowed_methods``),
+the bearer-token decision of the front middleware (``auth_policy``) and ``/openapi.json``. Every path
+no route claims is passed through to llama-server unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from aiohttp import web
+
+from . import openapi
+from .middlewares import AuthPolicy, Handler, json_error
+from .probes import healthz, metrics_endpoint, readyz
+from .proxy import COMPLETION_KINDS, handle_completion, passthrough
+from .sessions_api import delete_session, get_session, list_sessions, restore_session, save_session
+
+# open: never needs the bearer token (the probes); admin: needs it whenever one is set (the
+# sessions API); api: needs it only with --auth-all.
+Access = Literal["open", "admin", "api"]
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    method: str
+    path: str  # aiohttp's pattern: /v1/sessions/{id}
+    handler: Handler
+    access: Access
+    summary: str
+    doc: Mapping[str, Any] | None  # the OpenAPI operation's parameters, body and answers; None: undescribed
+    # A llama-server path kvtier serves on the way: its other methods go to llama-server, not a 405.
+    relayed: bool = False
+
+    def definition(self) -> web.RouteDef:
+        if self.method == "GET":
+            return web.get(self.path, self.handler)  # and HEAD
+        return web.route(self.method, self.path, self.handler)
+
+    @property
+    def prefix(self) -> str:
+        """The path up to its first parameter: ``/v1/sessions/`` for ``/v1/sessions/{id}``."""
+        return self.path.partition("{")[0]
+
+
+async def openapi_json(request: web.Request) -> web.Response:
+    return web.Response(text=_OPENAPI_TEXT, content_type="application/json")
+
+
+def _completion_summary(path: str, kind: str) -> str:
+    # llama-server serves its own completion API at /completion(s), OpenAI's under /v1 and at /chat.
+    if kind == "chat":
+        return "OpenAI chat completions through the KV flow"
+    if path.startswith("/v1/"):
+        return "OpenAI completions through the KV flow"
+    return "llama-server completion through the KV flow (X-Session-Id, X-KVTier-Salt)"
+
+
+ROUTES: tuple[Route, ...] = (
+    Route("GET", "/healthz", healthz, "open", "The process is alive", openapi.HEALTHZ),
+    Route("GET", "/readyz", readyz, "open",
+          "llama-server healthy and slot dir writable (Redis reported, not required)", openapi.READYZ),
+    Route("GET", "/metrics", metrics_endpoint, "api", "Prometheus metrics", openapi.METRICS),
+    Route("GET", "/openapi.json", openapi_json, "admin", "This description", None),
+    Route("GET", "/v1/sessions", list_sessions, "admin", "List sessions", openapi.LIST_SESSIONS),
+    Route("GET", "/v1/sessions/{id}", get_session, "admin", "A session's manifest and where its chunks live",
+          openapi.GET_SESSION),
+    Route("PUT", "/v1/sessions/{id}", save_session, "admin",
+          "Save a session from the slot that served it (or the given slot)", openapi.SAVE_SESSION),
+    Route("DELETE", "/v1/sessions/{id}", delete_session, "admin", "Delete a session (its shared chunks stay)",
+          openapi.DELETE_SESSION),
+    Route("POST", "/v1/sessions/{id}/restore", restore_session, "admin",
+          "Restore a session into a slot of this node", openapi.RESTORE_SESSION),
+    *(Route("POST", path, handle_completion, "api", _completion_summary(path, kind), openapi.RELAYED, relayed=True)
+      for path, kind in COMPLETION_KINDS.items()),
+)
+
+_OPENAPI_TEXT = json.dumps(openapi.document(ROUTES))
+_METHOD_ORDER = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
+
+
+def _pattern(path: str) -> re.Pattern[str]:
+    # As aiohttp matches a {name}: one non-empty path segment.
+    return re.compile(re.sub(r"\\\{\w+\\\}", "[^{}/]+", re.escape(path)))
+
+
+def _allow_table(routes: tuple[Route, ...]) -> tuple[tuple[re.Pattern[str], str], ...]:
+    methods: dict[str, set[str]] = {}
+    for route in routes:
+        if not route.relayed:
+            methods.setdefault(route.path, set()).update({route.method, "HEAD"} if route.method == "GET"
+                                                          else {route.method})
+    return tuple((_pattern(path), ", ".join(m for m in _METHOD_ORDER if m in allowed))
+                 for path, allowed in methods.items())
+
+
+_ALLOW = _allow_table(ROUTES)
+# Paths under these are kvtier's: one no route matches is a 404, never passed to llama-server.
+_OWN_PREFIXES = tuple(dict.fromkeys(r.prefix for r in ROUTES if not r.relayed and r.prefix != r.path))
+
+
+def allowed_methods(path: str) -> str | None:
+    """The methods of one of kvtier's own paths (a 405's ``Allow``), None for every other path."""
+    for pattern, allowed in _ALLOW:
+        if pattern.fullmatch(path):
+            return allowed
+    return None
+
+
+def auth_policy(token: str | None, protect_all: bool) -> AuthPolicy:
+    """Which paths need ``token``: the admin routes' (and anything under them), every path but the
+    open ones with ``protect_all``."""
+    return AuthPolicy(
+        token=token,
+        open_paths=frozenset(r.path for r in ROUTES if r.access == "open"),
+        token_prefixes=tuple(dict.fromkeys(r.prefix.rstrip("/") for r in ROUTES if r.access == "admin")),
+        protect_all=protect_all,
+    )
+
+
+async def catch_all(request: web.Request) -> web.StreamResponse:
+    """Everything that is not kvtier's own goes to llama-server unchanged."""
+    allowed = allowed_methods(request.path)
+    if allowed is not None:
+        response = json_error(405, f"{request.method} {request.path} is not part of the kvtier API")
+        response.headers["Allow"] = allowed
+        return response
+    if request.path.startswith(_OWN_PREFIXES):
+        return json_error(404, f"{request.path} is not part of the kvtier API")
+    return await passthrough(request)
+
+
+def route_defs() -> list[web.RouteDef]:
+    """``ROUTES`` for ``app.add_routes``, then the catch-all that relays the rest."""
+    return [*(route.definition() for route in ROUTES), web.route("*", "/{tail:.*}", catch_all)]
