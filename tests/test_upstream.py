@@ -15,6 +15,7 @@ import aiohttp
 import pytest
 import uvloop
 
+import sidecar.upstream as upstream_module
 from sidecar.config import Settings
 from sidecar.upstream import MAX_HEAD, PAUSE_AT, Upstream, UpstreamError
 from tests.servers import free_port
@@ -65,6 +66,27 @@ class ScriptedServer:
             writer.close()
 
 
+async def until(condition: Callable[[], object], what: str, timeout: float = 5.0) -> None:
+    """Let the loop turn until ``condition()`` holds; fail after ``timeout`` seconds."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting until {what}"
+        await asyncio.sleep(0)
+
+
+class Turns(asyncio.Semaphore):
+    """The client's ``max_active`` turns, telling the test when a request starts waiting for one."""
+
+    def __init__(self, value: int) -> None:
+        super().__init__(value)
+        self.waiting = asyncio.Event()
+
+    async def acquire(self) -> bool:
+        if self.locked():
+            self.waiting.set()
+        return await super().acquire()
+
+
 def run(loop: str, answers: list[Answer], body: Callable[[Upstream, ScriptedServer], Awaitable[Any]],
         close_after: bool = False, keepalive_s: float = 30.0, max_active: int = 256) -> ScriptedServer:
     server_script = ScriptedServer(answers, close_after)
@@ -82,6 +104,16 @@ def run(loop: str, answers: list[Answer], body: Callable[[Upstream, ScriptedServ
     with asyncio.Runner(loop_factory=LOOPS[loop]) as runner:
         runner.run(main())
     return server_script
+
+
+class FakeClock:
+    """Stands in for the ``time`` module the client reads ``monotonic()`` from."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
 
 
 def ok(body: bytes, extra: bytes = b"") -> bytes:
@@ -168,7 +200,8 @@ def test_connection_close_and_dropped_idle_connections_are_not_reused(loop: str)
     async def body(upstream: Upstream, server: ScriptedServer) -> None:
         assert (await post(upstream))[1] == b"a"  # says Connection: close
         assert (await post(upstream))[1] == b"b"  # new connection; the server drops it unannounced
-        await asyncio.sleep(0.05)
+        assert len(upstream._idle) == 1
+        await until(lambda: upstream._idle[0].closed, "the client sees the kept connection dropped")
         assert (await post(upstream))[1] == b"c"
 
     server = run(loop, [ok(b"a", b"Connection: close\r\n"), ok(b"b"), ok(b"c")], body, close_after=True)
@@ -191,13 +224,21 @@ def test_a_kept_connection_closed_before_answering_is_retried_once(loop: str) ->
     assert server.connections == 3
 
 
-def test_idle_connections_expire(loop: str) -> None:
+def test_idle_connections_expire(loop: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(upstream_module, "time", clock)
+
     async def body(upstream: Upstream, server: ScriptedServer) -> None:
         await post(upstream)
-        await asyncio.sleep(0.15)
-        await post(upstream)
+        clock.now += 29.9
+        await post(upstream)  # idle for less than keepalive_s: reused
+        assert server.connections == 1
+        clock.now += 30.0
+        await post(upstream)  # idle for keepalive_s: closed, and a new one opened
+        assert server.connections == 2
+        await asyncio.wait_for(server.closed_by_client.wait(), 5)
 
-    assert run(loop, [ok(b"1"), ok(b"2")], body, keepalive_s=0.1).connections == 2
+    assert run(loop, [ok(b"1"), ok(b"2"), ok(b"3")], body, keepalive_s=30.0).connections == 2
 
 
 @pytest.mark.parametrize("answer, message", [
@@ -247,8 +288,10 @@ def test_a_large_body_flows_with_backpressure(loop: str) -> None:
 
     async def body(upstream: Upstream, server: ScriptedServer) -> None:
         response = await upstream.request("GET", "/big", [])
-        await asyncio.sleep(0.2)  # the sender is ahead: reading pauses, then resumes as pieces are taken
-        assert response._buffered <= PAUSE_AT + (1 << 20)
+        # The sender is ahead: reading pauses, then resumes as pieces are taken.
+        transport = response._conn.transport
+        await until(lambda: not transport.is_reading(), "reading from the socket pauses")
+        assert PAUSE_AT < response._buffered <= PAUSE_AT + (1 << 20)
         assert await response.read() == big
         response.release()
 
@@ -276,14 +319,19 @@ def test_requests_beyond_max_active_wait_for_a_turn(loop: str) -> None:
             status, data, _ = await post(upstream)
             order.append(f"{name} {status} {data.decode()}")
 
+        turns = upstream._active = Turns(1)
         first = asyncio.create_task(one("first"))
-        await asyncio.sleep(0.002)  # the first holds the only turn while its answer trickles in
+        # The first holds the only turn while its answer trickles in.
+        await until(lambda: len(server.requests) == 1, "the first request reaches the server")
         second = asyncio.create_task(one("second"))
+        await asyncio.wait_for(turns.waiting.wait(), 5)
+        assert not first.done()
         await asyncio.gather(first, second)
         # A waiter given up while waiting, and requests that fail, give their turn back.
         held = await upstream.request("GET", "/", [], b"")
+        turns.waiting.clear()
         waiting = asyncio.create_task(upstream.request("GET", "/", [], b""))
-        await asyncio.sleep(0.01)
+        await asyncio.wait_for(turns.waiting.wait(), 5)
         assert held.status == 200 and not waiting.done()
         waiting.cancel()
         await asyncio.gather(waiting, return_exceptions=True)
