@@ -18,12 +18,12 @@ import numpy as np
 import pytest
 import pytest_asyncio
 
-from integrations.ggufgen import ModelShape, write_random_llama
 from integrations.llama_server import LlamaServerError
 from integrations.vocab import Vocab, common_prefix, word_boundary
 from sidecar.config import Settings
 from sidecar.procs import smollm2_path
 from sidecar.prompts import Prompt, PromptTokens
+from tests.ggufgen import ModelShape, write_random_llama
 from tests.servers import LlamaServer, llama_server
 from tests.sidecars import Sidecar, post, run_sidecar
 

@@ -5,7 +5,7 @@ tests), so llama-server can tokenize, template and detokenize; the weights are s
 (norms f32), so greedy output is gibberish but deterministic. Shapes are free: layer count, GQA
 ratio (``n_head / n_head_kv``), head size and width, which is what the state codec cares about.
 
-Needs the ``gguf`` package (a test dependency): ``python -m integrations.ggufgen OUT --like MODEL``.
+Needs the ``gguf`` package (a test dependency): ``python -m tests.ggufgen OUT --like MODEL``.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def write_random_llama(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m integrations.ggufgen", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m tests.ggufgen", description=__doc__.splitlines()[0])
     ap.add_argument("out")
     ap.add_argument("--like", required=True, help="GGUF to copy the tokenizer from")
     for f in ("n_layer", "n_embd", "n_head", "n_head_kv", "head_dim", "n_ff"):
