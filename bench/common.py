@@ -34,7 +34,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from sidecar.procs import LLAMA_CPP_PYTHON_PIN, Node, llama_server_binary, smollm2_path, valkey
+from launch import LLAMA_CPP_PYTHON_PIN, Node, llama_server_binary, smollm2_path, valkey
 
 RESULTS_DIR = Path("bench/results")
 F16_BYTES_PER_TOKEN = 23_040  # SmolLM2-135M: 30 layers x (K + V) x 192 elements x 2 bytes

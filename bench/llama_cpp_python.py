@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import llama_cpp
 
-    from sidecar.procs import smollm2_path, valkey
+    from launch import smollm2_path, valkey
 
     model = a.model or smollm2_path()
     n_ctx = max([*sizes, a.system_tokens + a.user_tokens]) + 256

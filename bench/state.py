@@ -121,17 +121,17 @@ def _prompt_tokens(url: str, n: int) -> list[int]:
 def real_figures(lengths: list[int], repeat: int) -> list[dict[str, Any]]:
     import tempfile
 
-    from sidecar.procs import Node, smollm2_path
+    from launch import LlamaServer, smollm2_path
 
     from .common import DEFAULT_WORKDIR
 
     ctx = max(lengths) + 64
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-", dir=DEFAULT_WORKDIR) as d:
-        srv = Node("state", Path(d), smollm2_path(), ["-c", str(ctx), "-np", "1", "-fa", "on", "-b", "2048",
-                                                      "-ub", "512", "--cache-ram", "0"], None, CHUNK_TOKENS)
-        srv.start(with_sidecar=False)
+        srv = LlamaServer(smollm2_path(), ["-c", str(ctx), "-np", "1", "-fa", "on", "-b", "2048", "-ub", "512",
+                                           "--cache-ram", "0"], Path(d) / "state-slots")
+        srv.start()
         try:
-            rows = _real_rows(srv.llama_url, srv.slot_dir, lengths, repeat)
+            rows = _real_rows(srv.url, srv.slot_dir, lengths, repeat)
         finally:
             srv.stop()
     return rows

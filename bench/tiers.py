@@ -158,7 +158,7 @@ def valkey(url: str | None) -> Iterator[str]:
     if url:
         yield url
         return
-    from sidecar.procs import valkey as embedded
+    from launch import valkey as embedded
 
     with embedded() as embedded_url:
         yield embedded_url

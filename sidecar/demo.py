@@ -18,13 +18,15 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from rich.console import Console
 from rich.table import Table
 
-from .procs import Node, smollm2_path, valkey
+if TYPE_CHECKING:
+    # The launcher is imported when the demo runs, so that nothing else in kvtier loads it.
+    from launch import Node
 
 QUESTIONS = [
     "Summarise the report in one sentence.",
@@ -164,6 +166,8 @@ def render(rows: list[dict[str, Any]], summary: dict[str, Any], console: Console
 
 
 def main(argv: list[str]) -> int:
+    from launch import Node, smollm2_path, valkey
+
     p = argparse.ArgumentParser(prog="kvtier demo", description=__doc__.splitlines()[0])
     p.add_argument("--redis-url", help="use this Redis instead of an embedded Valkey")
     p.add_argument("--json", dest="json_path", help="write the turns and the summary to this file")

@@ -20,8 +20,8 @@ import pytest_asyncio
 
 from integrations.llama_server import LlamaServerError
 from integrations.vocab import Vocab, common_prefix, word_boundary
+from launch import smollm2_path
 from sidecar.config import Settings
-from sidecar.procs import smollm2_path
 from sidecar.prompts import Prompt, PromptTokens
 from tests.ggufgen import ModelShape, write_random_llama
 from tests.servers import LlamaServer, llama_server

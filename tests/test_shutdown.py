@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from sidecar.procs import Node
+from launch import Node
 from tests.servers import RedisProc, smollm2_path
 from tiers.codec import BlobCodec, peek_header
 
