@@ -41,7 +41,7 @@ demo: venv llama-server
 	$(VENV)/bin/kvtier demo $(DEMO_ARGS)
 
 bench: venv llama-server
-	$(VENV)/bin/kvtier bench report $(BENCH_ARGS)
+	$(PY) -m bench report $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

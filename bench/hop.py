@@ -1,8 +1,8 @@
-"""``kvtier bench hop``: conversations that hop between llama-server nodes, with and without kvtier.
+"""``python -m bench hop``: conversations that hop between llama-server nodes, with and without kvtier.
 
-    kvtier bench hop                                   # defaults: a few minutes on an idle 2-core VM
-    kvtier bench hop --nodes 4 --users 8 --rounds 6    # bigger
-    kvtier bench hop --modes kvtier,direct-rr --long-tokens 0
+    python -m bench hop                                   # defaults: a few minutes on an idle 2-core VM
+    python -m bench hop --nodes 4 --users 8 --rounds 6    # bigger
+    python -m bench hop --modes kvtier,direct-rr --long-tokens 0
 
 Workload (in the style of LMCache's multi-round QA): U users x R rounds, one shared system prompt,
 a per-user document in each user's first turn, short questions after it, greedy answers of
@@ -505,7 +505,7 @@ MODE_HEADERS = ["mode", "requests", "TTFT p50 ms", "TTFT p90 ms", "prompt tok", 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvtier bench hop", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench hop", description=__doc__.splitlines()[0])
     add_workload_flags(p)
     p.add_argument("--modes", default=DEFAULT_MODES, help=f"comma-separated, of {', '.join(MODES)}")
     p.add_argument("--long-tokens", type=int, default=4096, help="long-hop conversation length (0 = skip)")

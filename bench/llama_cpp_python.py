@@ -1,10 +1,10 @@
 """kvtier's cache against llama-cpp-python's own (``LlamaRAMCache``, ``LlamaDiskCache``) on SmolLM2.
 
-    kvtier bench llama-cpp-python --json out.json          # 1k/4k hits, 10 sessions of 2,000 + 500
-    python -m bench.llama_cpp_python --quick                # small sizes, a smoke run
+    python -m bench llama-cpp-python --json out.json    # 1k/4k hits, 10 sessions of 2,000 + 500
+    python -m bench llama-cpp-python --quick            # small sizes, a smoke run
 
-Run from the repository root (it starts a temporary Valkey with ``tests/servers.py`` unless
-``--redis-url`` is given). One ``Llama`` serves every cache in turn, greedy, 8 new tokens.
+It starts a temporary Valkey unless ``--redis-url`` is given. One ``Llama`` serves every cache in
+turn, greedy, 8 new tokens.
 
 1. Time to first token on a hit. A prompt of N tokens (+ question A) is computed once and handed to
    every cache as ``Llama._create_completion`` does (``cache[tokens] = llm.save_state()``). Then,
@@ -307,7 +307,7 @@ def print_report(report: dict[str, Any], out: Callable[[str], None] = print) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="kvtier bench llama-cpp-python", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench llama-cpp-python", description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the figures to this file")
     ap.add_argument("--sizes", default="1024,4096", help="shared-prefix lengths for the TTFT runs")
     ap.add_argument("--rounds", type=int, default=3, help="TTFT rounds per cache (medians are reported)")

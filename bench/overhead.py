@@ -1,7 +1,7 @@
-"""``kvtier bench overhead``: what the sidecar adds to a request that needs no restore.
+"""``python -m bench overhead``: what the sidecar adds to a request that needs no restore.
 
-    kvtier bench overhead                          # 40 pairs per kind, a minute or two
-    kvtier bench overhead --reps 200 --prompt-tokens 2048
+    python -m bench overhead                          # 40 pairs per kind, a minute or two
+    python -m bench overhead --reps 200 --prompt-tokens 2048
 
 Two llama-servers (``-np 1``, same flags), a kvtier sidecar in front of the first, and an embedded
 Valkey; direct requests go to the second, so the two paths never share a slot. Each slot holds a prompt
@@ -274,7 +274,7 @@ def _ways(ways: dict[str, int]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="kvtier bench overhead", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench overhead", description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=40, help="request pairs per kind")
     p.add_argument("--prompt-tokens", type=int, default=512, help="prompt length (held in the slot)")
     p.add_argument("--threads", type=int, default=2)

@@ -1,15 +1,15 @@
 """Benchmark of the sequence-state codec: split/assemble throughput and real save/restore/recompute.
 
-    python -m bench.state --json out.json                      # synthetic 1k/4k/8k + real 1k
-    python -m bench.state --real-tokens 1024,4096 --json out.json
-    python -m bench.state --no-real                            # no llama-server needed
+    python -m bench state --json out.json                      # synthetic 1k/4k/8k + real 1k
+    python -m bench state --real-tokens 1024,4096 --json out.json
+    python -m bench state --no-real                            # no llama-server needed
 
 Synthetic states have SmolLM2-135M's real shape (30 layers, n_embd_k_gqa = n_embd_v_gqa = 192, f16
 K/V: 23,040 bytes per token) filled with random bytes; they measure parse, split into 256-token
 chunks, assemble in the same V layout, and assemble across V layouts (transposing V). The real part
-runs llama-server (from the repository root: it uses ``tests/servers.py``) with SmolLM2 and
-measures, per prompt length, the server's save, the codec on the saved file, a restore of the
-assembled file and a full recompute of the same prompt, side by side.
+runs llama-server with SmolLM2 and measures, per prompt length, the server's save, the codec on
+the saved file, a restore of the assembled file and a full recompute of the same prompt, side by
+side.
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.state", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench state", description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the figures to this file")
     ap.add_argument("--sizes", default="1024,4096,8192", help="synthetic state sizes in tokens")
     ap.add_argument("--real-tokens", default="1024", help="prompt lengths for the llama-server part")

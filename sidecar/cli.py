@@ -1,11 +1,10 @@
-"""The ``kvtier`` command: serve, demo, state inspect, bench, sessions, stats."""
+"""The ``kvtier`` command: serve, demo, state inspect, sessions, stats."""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
-import time
 from collections.abc import Sequence
 
 from tiers.errors import ConfigError, KVTierError
@@ -18,7 +17,6 @@ commands:
   state inspect F    describe a llama.cpp sequence-state file (--json)
   sessions ACTION    ls | show ID | rm ID | save ID | restore ID  (a running sidecar's sessions API)
   stats              hit rates per tier and tokens restored vs recomputed (from /metrics)
-  bench NAME         benchmarks: tiers, state, hop, overhead, llama-cpp-python, report
 """
 
 
@@ -71,8 +69,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .cli_client import stats_main
 
             return stats_main(rest)
-        if command == "bench" and rest:
-            return _bench(rest[0], rest[1:])
     except KVTierError as exc:
         print(f"kvtier {command}: {exc}", file=sys.stderr)
         return 1
@@ -80,21 +76,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     print(USAGE, file=sys.stderr)
     return 2
-
-
-def _bench(name: str, argv: list[str]) -> int:
-    import importlib
-
-    modules = {"tiers": "bench.tiers", "state": "bench.state", "hop": "bench.hop", "overhead": "bench.overhead",
-               "llama-cpp-python": "bench.llama_cpp_python", "report": "bench.report"}
-    if name not in modules:
-        print(f"kvtier bench: unknown benchmark {name!r}; choose one of {', '.join(modules)}", file=sys.stderr)
-        return 2
-    module = importlib.import_module(modules[name])
-    t0 = time.perf_counter()
-    rc = int(module.main(argv) or 0)
-    print(f"(bench {name}: {time.perf_counter() - t0:.1f} s)", file=sys.stderr)
-    return rc
 
 
 if __name__ == "__main__":

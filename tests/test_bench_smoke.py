@@ -1,4 +1,5 @@
-"""The benchmarks' pure parts: statistics, routing, metrics parsing, and the report's rendering.
+"""The benchmarks' pure parts: statistics, routing, metrics parsing, the report's rendering, and
+``python -m bench`` choosing a benchmark.
 
 No servers and no timings: the report is rendered from a fixed, synthetic result document built
 with the same summarising functions the real run uses.
@@ -6,6 +7,8 @@ with the same summarising functions the real run uses.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -13,6 +16,8 @@ from typing import Any
 import pytest
 
 from bench import hop, report
+from bench.__main__ import BENCHMARKS
+from bench.__main__ import main as bench_main
 from bench.common import Reply, parse_metrics, percentile, summary
 from bench.overhead import histogram_quantile
 
@@ -95,7 +100,7 @@ def fixed_report() -> dict[str, Any]:
                    "restored_tokens_p50": 0.0, "recomputed_tokens_p50": 80.0, "decisions_restore": 0,
                    "decisions_recompute": 0} for c, k in ((256, 404.0), (64, 120.0))]
     return {
-        "benchmark": "report", "preset": "full", "command": "kvtier bench report", "started": "2026-01-01T00:00:00",
+        "benchmark": "report", "preset": "full", "command": "python -m bench report", "started": "2026-01-01T00:00:00",
         "minutes": 20.0, "threads": 2,
         "machine": {"cores": 2, "cpu_model": "Test CPU", "ram_gib": 8.0, "gpu": "none", "load_avg": [1.0, 1.0, 1.0],
                     "load_avg_end": [1.0, 1.0, 1.0]},
@@ -155,3 +160,27 @@ def test_render_markdown_from_a_fixed_report(tmp_path: Path) -> None:
     for path in images.values():
         assert Path(path).stat().st_size > 1000
         assert f"]({Path(path).relative_to(tmp_path).as_posix()})" in md
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_python_m_bench_runs_the_named_benchmark_and_times_it(monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    seen: list[list[str]] = []
+    monkeypatch.setitem(BENCHMARKS, "report", lambda argv: seen.append(argv) or 3)
+    assert bench_main(["report", "--quick"]) == 3
+    assert seen == [["--quick"]]
+    assert "(bench report: " in capsys.readouterr().err
+    assert bench_main(["nope"]) == 2
+    assert "unknown benchmark 'nope'" in capsys.readouterr().err
+
+
+def test_python_m_bench_from_the_checkout() -> None:
+    usage = subprocess.run([sys.executable, "-m", "bench"], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                           check=False)
+    assert usage.returncode == 2
+    assert "tiers, state, hop, overhead, llama-cpp-python, report" in usage.stdout
+    state = subprocess.run([sys.executable, "-m", "bench", "state", "--help"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60, check=False)
+    assert state.returncode == 0 and state.stdout.startswith("usage: python -m bench state"), state.stderr
