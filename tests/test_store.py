@@ -348,12 +348,17 @@ async def test_partial_tails_are_found_by_the_prompts_that_continue_them(
 # -- Redis dying ----------------------------------------------------------------------------------
 
 
-async def wait_until(predicate: object, timeout: float = 5.0) -> None:
+async def wait_until(predicate: object, timeout: float = 5.0, poll: float = 0.01) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not predicate():  # type: ignore[operator]
         assert loop.time() < deadline, "condition not met"
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(poll)
+
+
+def held_by_pause(srv: RedisProc, command: str) -> bool:
+    """Redis holds a client's ``command`` back (CLIENT PAUSE): it was sent and waits for its answer."""
+    return any("b" in c["flags"] and c["cmd"] == command for c in raw(srv).client_list())
 
 
 def redis_stats(store: TieredStore) -> TierStats:
@@ -372,7 +377,7 @@ async def test_redis_killed_during_a_fetch(shm_dir: Path) -> None:
         reader = make_store(srv.url, shm_dir / "r", clock=clock)
         raw(srv).client_pause(10_000, all=False)  # GETEX ... EX is a write: the fetch hangs in Redis
         task = asyncio.create_task(reader.fetch(NS, chain))
-        await asyncio.sleep(0.3)
+        await wait_until(lambda: held_by_pause(srv, "getex"))
         assert not task.done()
         srv.stop()  # killed while the pipeline waits for its answer
         got = await asyncio.wait_for(task, 10)
@@ -402,7 +407,7 @@ async def test_redis_killed_during_a_store(shm_dir: Path) -> None:
         raw(srv).client_pause(10_000, all=False)  # EXISTS answers, SET hangs
         result = await asyncio.wait_for(s.store(NS, chain, payloads), 2)  # never waits on Redis
         assert result.chunks_written == 6
-        await asyncio.sleep(0.3)
+        await wait_until(lambda: held_by_pause(srv, "set"))
         assert s.queue_depth == 0 and not await s.flush(0.01)  # the writer is stuck in the SET pipeline
         srv.stop()
         assert await s.flush(10)
@@ -445,6 +450,7 @@ async def test_aclose_drains_the_write_in_flight(redis_srv: RedisProc, shm_dir: 
         s = make_store(redis_srv.url, shm_dir / "c")
         toks = tokens(11, 3)
         await s.store(NS, chain_of(toks), Payloads(toks))
-        await asyncio.sleep(0)  # the writer takes the job: the queue is empty, the write is not done
+        await wait_until(lambda: s.queue_depth == 0, poll=0)  # the writer takes the job
+        assert r.dbsize() == 0  # the write is not done
         await asyncio.wait_for(s.aclose(), 10)
         assert r.dbsize() == 3
