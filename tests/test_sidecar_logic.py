@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 from pathlib import Path
 
 import numpy as np
@@ -186,7 +187,11 @@ def test_settings_precedence_and_redaction(tmp_path: Path) -> None:
         with pytest.raises(ConfigError):
             load_settings(["--slot-dir", str(tmp_path), flag, bad], env={})
     assert load_settings(["--slot-dir", str(tmp_path), "--keep-restore-files", "0"], env={}).keep_restore_files == 0
-    assert isinstance(Settings(), Settings)
+    # Given only what is required, `kvtier serve` runs on the defaults Settings declares; the node
+    # is named after the host unless told otherwise.
+    assert load_settings(["--slot-dir", str(tmp_path), "--node-id", "n"], env={}) == Settings(
+        slot_dir=str(tmp_path), node_id="n")
+    assert load_settings(["--slot-dir", str(tmp_path)], env={}).node_id == socket.gethostname()
 
 
 def test_timings_are_found_in_json_and_sse_tails() -> None:
