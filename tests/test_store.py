@@ -12,7 +12,7 @@ import pytest
 import redis
 
 from tests.servers import RedisProc, redis_server
-from tiers.base import TierStats
+from tiers.base import TierRole, TierStats
 from tiers.codec import HEADER_SIZE, BlobCodec
 from tiers.keys import ChunkHash, Namespace, chunk_key, prefix_chain, sequence_key, whole_key
 from tiers.memory import MemoryTier
@@ -218,7 +218,10 @@ async def test_a_shared_prefix_is_encoded_and_sent_once(store: TieredStore, fres
 
 
 class GatedTier(MemoryTier):
-    """A 'redis' tier whose writes wait for a gate: a slow or hung remote."""
+    """A remote tier whose writes wait for a gate: a slow or hung Redis."""
+
+    role = TierRole.REMOTE
+    write_behind = True
 
     def __init__(self) -> None:
         super().__init__(64 * MB, name="redis")

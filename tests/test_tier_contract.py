@@ -10,10 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from tiers.base import Tier, TierStats
+from tiers.base import Tier, TierRole, TierStats
+from tiers.codec import BlobCodec
+from tiers.keys import Namespace, prefix_chain
 from tiers.memory import MemoryTier
 from tiers.redis_tier import RedisTier
 from tiers.shared import SharedTier
+from tiers.store import TieredStore
 
 CAPACITY = 64 << 20
 KINDS = ["memory", "shared", "redis", "redis_cluster"]
@@ -53,6 +56,32 @@ async def test_is_a_tier(tier: Tier) -> None:
     assert isinstance(tier, Tier)
     assert isinstance(tier.name, str) and tier.name
     assert isinstance(tier.stats(), TierStats)
+    assert isinstance(tier.role, TierRole) and isinstance(tier.write_behind, bool)
+    # Only remote tiers are written behind the request; names stay what stats and headers show.
+    assert tier.write_behind == (tier.role is TierRole.REMOTE)
+    assert tier.name == {TierRole.LOCAL: "memory", TierRole.NODE: "shared", TierRole.REMOTE: "redis"}[tier.role]
+
+
+class Remote(MemoryTier):
+    """A remote tier by role, whatever its name."""
+
+    role = TierRole.REMOTE
+    write_behind = True
+
+
+async def test_the_store_writes_behind_by_role_not_by_name() -> None:
+    ns = Namespace("fp-roles", chunk_tokens=4)
+    chain = prefix_chain(ns, list(range(8)))
+    named_redis = MemoryTier(CAPACITY, name="redis")  # a local tier, whatever its name
+    remote = Remote(CAPACITY, name="far")
+    store = TieredStore([named_redis, remote], BlobCodec("none"))
+    result = await store.store(ns, chain, lambda i: bytes([i]) * 100)
+    assert result.chunks_written == 2  # written in the request: the synchronous tier
+    assert named_redis.stats().puts == 2
+    assert remote.stats().puts == 0  # queued: the request did not wait for it
+    assert await store.flush(5)
+    assert remote.stats().puts == 2
+    await store.aclose()
 
 
 async def test_miss_is_an_absent_key(tier: Tier) -> None:

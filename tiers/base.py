@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import re
 import threading
 import time
@@ -12,15 +13,30 @@ from typing import Protocol, runtime_checkable
 from .errors import ConfigError
 
 
+class TierRole(enum.Enum):
+    """Who sees a tier's values."""
+
+    LOCAL = "local"  # this process only (RAM)
+    NODE = "node"  # every process of this node (a shared directory)
+    REMOTE = "remote"  # every node (Redis), over the network
+
+
 @runtime_checkable
 class Tier(Protocol):
     """A key -> blob store. Keys are the full storage keys (bytes); values are encoded blobs.
 
     A miss is an absent key in the returned mapping, never an exception; a tier that cannot be
     reached answers with misses and counts an error.
+
+    Attributes:
+        name: the tier's name in stats, metrics and headers (``memory``, ``shared``, ``redis``).
+        role: who sees its values.
+        write_behind: the ``TieredStore`` writes it from a background queue, never in a request.
     """
 
     name: str
+    role: TierRole
+    write_behind: bool
 
     async def get_many(self, keys: Sequence[bytes]) -> dict[bytes, bytes | memoryview]: ...
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping, Sequence
 
-from .base import StatsCounter, TierStats
+from .base import StatsCounter, TierRole, TierStats
 from .errors import ConfigError
 from .policies import EvictionPolicy, make_policy
 
@@ -21,6 +21,9 @@ class MemoryTier:
         capacity: byte budget (values only; the per-entry overhead of ~100 bytes is not counted).
         policy: ``s3fifo`` (default) or ``lru``.
     """
+
+    role = TierRole.LOCAL
+    write_behind = False
 
     def __init__(self, capacity: int, *, policy: str = "s3fifo", name: str = "memory"):
         if capacity <= 0:

@@ -28,7 +28,7 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import ExponentialWithJitterBackoff
 
-from .base import StatsCounter, TierStats
+from .base import StatsCounter, TierRole, TierStats
 from .breaker import BreakerState, BreakerStats, CircuitBreaker
 from .errors import ConfigError, KVTierError, TierUnavailable
 from .redis_urls import RedisTarget, parse_redis_url, redacted_url
@@ -92,7 +92,7 @@ class RedisTier:
         username, password: credentials; they override the URL's and never appear in logs or repr.
         ttl: seconds a value lives after it was last written or read (``None``: no expiry).
         refresh_on_hit: extend the TTL of values that are read (GETEX).
-        name: tier name (the ``TieredStore`` writes tiers named ``redis`` in the background).
+        name: tier name in stats, metrics and headers.
         node_id: this process's id in published events (default ``hostname:pid``).
         socket_timeout, connect_timeout: seconds per socket operation and per connect.
         retries, backoff_base, backoff_cap: redis-py ``Retry`` with ``ExponentialWithJitterBackoff``.
@@ -104,6 +104,9 @@ class RedisTier:
     Raises:
         ConfigError: a bad URL or setting, at construction.
     """
+
+    role = TierRole.REMOTE
+    write_behind = True  # a request never waits on a remote write (TieredStore's queue)
 
     def __init__(
         self,

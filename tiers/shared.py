@@ -31,7 +31,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .base import StatsCounter, TierStats, parse_size
+from .base import StatsCounter, TierRole, TierStats, parse_size
 from .errors import ConfigError
 
 log = logging.getLogger("kvtier.shared")
@@ -73,6 +73,9 @@ class SharedTier:
     Raises:
         ConfigError: a bad capacity, or a path that is not a writable directory.
     """
+
+    role = TierRole.NODE
+    write_behind = False
 
     def __init__(
         self,

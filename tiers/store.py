@@ -104,15 +104,14 @@ class _Job:
 class TieredStore:
     """Ordered tiers (fastest first) behind one prefix lookup.
 
-    Writes go synchronously to the ``sync`` tiers and through a bounded queue to the background
-    tiers (Redis), so a request never waits on a remote write; when the queue is full the oldest
-    pending write is dropped and counted. Reads verify every blob (``BlobCodec.decode``): a damaged
-    or foreign value is deleted from its tier, counted, and ends the prefix there.
+    Writes go synchronously to the ``sync`` tiers and through a bounded queue to the tiers marked
+    ``write_behind`` (Redis), so a request never waits on a remote write; when the queue is full
+    the oldest pending write is dropped and counted. Reads verify every blob (``BlobCodec.decode``):
+    a damaged or foreign value is deleted from its tier, counted, and ends the prefix there.
 
     Args:
         tiers: tiers in order, fastest first.
         codec: the one codec every tier's values go through.
-        background: names of tiers written by the background queue (default: tiers named ``redis``).
         queue_limit: pending background writes before the oldest is dropped.
     """
 
@@ -121,7 +120,6 @@ class TieredStore:
         tiers: Sequence[Tier],
         codec: BlobCodec,
         *,
-        background: Sequence[str] | None = None,
         queue_limit: int = DEFAULT_QUEUE_LIMIT,
     ):
         if not tiers:
@@ -133,12 +131,8 @@ class TieredStore:
             raise ValueError("queue_limit must be positive")
         self.tiers = list(tiers)
         self.codec = codec
-        bg = set(background if background is not None else [n for n in names if n == "redis"])
-        unknown = bg - set(names)
-        if unknown:
-            raise ValueError(f"background tiers {sorted(unknown)} are not among the tiers {names}")
-        self._sync = [t for t in self.tiers if t.name not in bg]
-        self._background = [t for t in self.tiers if t.name in bg]
+        self._sync = [t for t in self.tiers if not t.write_behind]
+        self._background = [t for t in self.tiers if t.write_behind]
         self._queue: collections.deque[_Job] = collections.deque()
         self._queue_limit = queue_limit
         self._wakeup: asyncio.Event | None = None
