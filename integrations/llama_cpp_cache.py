@@ -41,11 +41,14 @@ import numpy as np
 from llama_cpp.llama import Llama, LlamaState
 from llama_cpp.llama_cache import BaseLlamaCache
 
-from tiers.base import parse_size
+from tiers.base import Tier, parse_size
 from tiers.codec import BlobCodec
 from tiers.errors import ConfigError, KVTierError
+from tiers.events import EventBus
 from tiers.keys import ChunkHash, Namespace, as_token_array, chunk_key, events_channel, prefix_chain
 from tiers.memory import MemoryTier
+from tiers.redis_backend import RedisBackend
+from tiers.sessions import SessionStore
 from tiers.store import FetchResult, StoreResult, TieredStore
 
 from .chunks import assemble_state, split_state
@@ -127,7 +130,8 @@ class SyncStore:
         memory_bytes: capacity of the in-process memory tier (an int or a size such as ``"2G"``).
         redis_url: Redis/Valkey URL (see ``tiers.redis_urls``); None: no Redis tier.
         redis_ttl: seconds a chunk lives in Redis after its last write or read (None: no expiry).
-        redis_options: further ``RedisTier`` keyword arguments (timeouts, credentials, ...).
+        redis_options: further ``RedisBackend.open`` keyword arguments (timeouts, credentials,
+            ``node_id``, ...).
         shared_dir: a directory shared by the processes of this node (e.g. in /dev/shm); None: none.
         shared_bytes: capacity of the shared directory tier.
         compression: the blob codec's compression (``adaptive``, ``lz4``, ``zstd``, ``none``).
@@ -151,11 +155,11 @@ class SyncStore:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=_run_loop, args=(self._loop,), name="kvtier-llama-cpp", daemon=True)
         self._thread.start()
-        self.redis: Any | None = None
-        self._sessions: Any | None = None
+        self.backend: RedisBackend | None = None
+        self._sessions: SessionStore | None = None
         try:
             # Tiers are built on the loop: asyncio clients belong to the loop that runs them.
-            self.store, self.redis = self.call(
+            self.store, self.backend = self.call(
                 self._build(codec, memory, redis_url, redis_ttl, dict(redis_options or {}), shared_dir, shared_bytes)
             )
         except BaseException:
@@ -165,20 +169,28 @@ class SyncStore:
 
     @staticmethod
     async def _build(codec: BlobCodec, memory: int, redis_url: str | None, redis_ttl: float | None,
-                     redis_options: dict[str, Any], shared_dir: Any, shared_bytes: int | str
-                     ) -> tuple[TieredStore, Any | None]:
-        tiers: list[Any] = [MemoryTier(memory)]
+                     redis_options: dict[str, Any], shared_dir: str | os.PathLike[str] | None,
+                     shared_bytes: int | str) -> tuple[TieredStore, RedisBackend | None]:
+        tiers: list[Tier] = [MemoryTier(memory)]
         if shared_dir is not None:
             from tiers.shared import SharedTier
 
             tiers.append(SharedTier(shared_dir, shared_bytes))
-        redis = None
+        backend = None
         if redis_url:
-            from tiers.redis_tier import RedisTier
+            backend = RedisBackend.open(redis_url, ttl=redis_ttl, **redis_options)
+            tiers.append(backend.tier)
+        return TieredStore(tiers, codec), backend
 
-            redis = RedisTier(redis_url, ttl=redis_ttl, **redis_options)
-            tiers.append(redis)
-        return TieredStore(tiers, codec), redis
+    @property
+    def events(self) -> EventBus | None:
+        """The Redis event bus (publish, subscribe); None without Redis."""
+        return self.backend.events if self.backend is not None else None
+
+    @property
+    def redis(self) -> EventBus | None:
+        """Deprecated: the event bus, as ``events`` (what ``KVTierCache`` used to publish with)."""
+        return self.events
 
     @property
     def closed(self) -> bool:
@@ -207,12 +219,10 @@ class SyncStore:
         return tier
 
     @property
-    def sessions(self) -> Any:
+    def sessions(self) -> SessionStore:
         """The ``tiers.sessions.SessionStore`` of this store (manifests in Redis when configured)."""
         if self._sessions is None:
-            from tiers.sessions import SessionStore
-
-            self._sessions = SessionStore(self.store, self.redis)
+            self._sessions = SessionStore(self.store, self.backend.manifests if self.backend is not None else None)
         return self._sessions
 
     def flush(self, timeout: float | None = 30.0) -> bool:

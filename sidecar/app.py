@@ -9,14 +9,16 @@ import json
 import logging
 import os
 from collections.abc import AsyncIterator
-from typing import Any
 
 import aiohttp
 from aiohttp import web
 
 from integrations.llama_server import KEEPALIVE_S, LlamaServerClient, LlamaServerError
+from tiers.base import Tier
 from tiers.codec import BlobCodec
 from tiers.memory import MemoryTier
+from tiers.redis_backend import RedisBackend
+from tiers.sessions import SessionStore
 from tiers.store import TieredStore
 
 from .appkeys import ENGINE, METRICS, REDIS, SETTINGS, STORE, UPSTREAM
@@ -33,19 +35,18 @@ HEALTH_INTERVAL_S = 2.0
 RELAY_KEEPALIVE_S = 4.0  # idle relay connections kept (llama-server closes them after 5 s)
 
 
-def build_store(settings: Settings) -> tuple[TieredStore, Any]:
-    tiers: list[Any] = [MemoryTier(settings.cache_size, policy=settings.eviction)]
+def build_store(settings: Settings) -> tuple[TieredStore, RedisBackend | None]:
+    """The tiered store and, with ``redis_url``, the Redis behind its last tier (manifests, events)."""
+    tiers: list[Tier] = [MemoryTier(settings.cache_size, policy=settings.eviction)]
     if settings.shared_dir:
         from tiers.shared import SharedTier
 
         tiers.append(SharedTier(settings.shared_dir, settings.shared_size))
     redis = None
     if settings.redis_url:
-        from tiers.redis_tier import RedisTier
-
-        redis = RedisTier(settings.redis_url, username=settings.redis_username, password=settings.redis_password,
-                          ttl=settings.ttl or None, node_id=settings.node_id)
-        tiers.append(redis)
+        redis = RedisBackend.open(settings.redis_url, username=settings.redis_username,
+                                  password=settings.redis_password, ttl=settings.ttl or None, node_id=settings.node_id)
+        tiers.append(redis.tier)
     store = TieredStore(tiers, BlobCodec(settings.compress), queue_limit=settings.queue_limit)
     return store, redis
 
@@ -75,10 +76,13 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     store, redis = build_store(settings)
     metrics = app[METRICS]
     metrics.attach_store(store)
-    engine = KVEngine(settings, LlamaServerClient(settings.llama_url, session), store, metrics, events=redis)
+    engine = KVEngine(settings, LlamaServerClient(settings.llama_url, session), store, metrics,
+                      events=redis.events if redis is not None else None)
+    # Manifests in Redis when there is one (the engine's own SessionStore would get the event bus).
+    engine.sessions = SessionStore(store, redis.manifests if redis is not None else None)
     app[UPSTREAM] = upstream
     app[STORE] = store
-    app[REDIS] = redis
+    app[REDIS] = redis.tier if redis is not None else None
     app[ENGINE] = engine
     loop = asyncio.get_running_loop()
     tasks = [loop.create_task(_watch_llama_server(engine), name="kvtier-health")]

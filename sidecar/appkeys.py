@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from tiers.redis_tier import RedisTier
 from tiers.store import TieredStore
 
 from .config import Settings
@@ -16,4 +17,5 @@ METRICS = web.AppKey("metrics", Metrics)
 UPSTREAM = web.AppKey("upstream", Upstream)  # relays requests to llama-server
 STORE = web.AppKey("store", TieredStore)
 ENGINE = web.AppKey("engine", KVEngine)
-REDIS = web.AppKey("redis", object)  # RedisTier or None
+# The Redis chunk tier (ping, breaker state for readiness and metrics), None without Redis.
+REDIS: web.AppKey[RedisTier | None] = web.AppKey("redis")

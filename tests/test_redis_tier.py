@@ -1,5 +1,5 @@
-"""RedisTier against real Valkey: URLs, credentials, TTLs, breaker, pipelines, events, Cluster,
-Sentinel, Unix sockets and TLS."""
+"""RedisTier, RedisConnection and RedisManifests against real Valkey: URLs, credentials, TTLs, breaker,
+pipelines, manifests, Cluster, Sentinel, Unix sockets and TLS. Events: tests/test_events.py."""
 
 from __future__ import annotations
 
@@ -20,9 +20,13 @@ import redis
 
 from tests.conftest import ValkeyCluster
 from tests.servers import RedisProc, free_port, redis_server, redis_server_binary, wait_port
+from tiers.base import TierRole
 from tiers.breaker import BreakerState, CircuitBreaker
 from tiers.errors import ConfigError, TierUnavailable
-from tiers.keys import Namespace, chunk_key, events_channel, prefix_chain
+from tiers.keys import Namespace, chunk_key, prefix_chain, session_key
+from tiers.redis_backend import RedisBackend
+from tiers.redis_conn import RedisConnection
+from tiers.redis_manifests import RedisManifests
 from tiers.redis_tier import RedisTier
 from tiers.redis_urls import parse_redis_url, redacted_url
 
@@ -106,6 +110,8 @@ def test_bad_urls_fail_at_construction(url: str, message: str) -> None:
         parse_redis_url(url)
     with pytest.raises(ConfigError):
         RedisTier(url)
+    with pytest.raises(ConfigError):
+        RedisBackend.open(url)
 
 
 @pytest.mark.parametrize(
@@ -118,6 +124,14 @@ def test_bad_urls_fail_at_construction(url: str, message: str) -> None:
 def test_bad_settings_fail_at_construction(settings: dict[str, Any]) -> None:
     with pytest.raises(ConfigError):
         RedisTier("redis://127.0.0.1:1/0", **settings)
+    with pytest.raises(ConfigError):
+        RedisBackend.open("redis://127.0.0.1:1/0", **settings)
+
+
+def test_a_tier_given_a_connection_takes_no_connection_options() -> None:
+    conn = RedisConnection("redis://127.0.0.1:1/0")
+    with pytest.raises(ValueError, match="RedisConnection"):
+        RedisTier(conn, retries=1)
 
 
 def test_redacted_url_hides_passwords() -> None:
@@ -256,8 +270,9 @@ async def test_breaker_skips_a_dead_server_and_recovers(tmp_path: Path) -> None:
     assert time.perf_counter() - t0 < 0.5
     assert tier.breaker_stats().skipped == 300
     assert tier.stats().misses == 103
+    manifests = RedisManifests(tier.connection)  # the same breaker guards every user of the connection
     with pytest.raises(TierUnavailable):
-        await tier.get_raw(b"k")
+        await manifests.get(b"k")
     assert not await tier.ping()
 
     srv = RedisProc(port, tmp_path, [])
@@ -328,123 +343,85 @@ async def test_large_values_single_and_pipelined(redis_srv: RedisProc) -> None:
 # -- manifests and scan ---------------------------------------------------------------------------
 
 
-async def test_raw_values_and_scan(redis_srv: RedisProc) -> None:
+async def test_manifest_values_and_scan(redis_srv: RedisProc) -> None:
     r = raw(redis_srv)
-    tier = RedisTier(redis_srv.url, ttl=300)
+    manifests = RedisManifests(RedisConnection(redis_srv.url), ttl=300)
     ns = Namespace("fp-scan")
     manifest = json.dumps({"session": "s1", "chunks": 3}).encode()
-    await tier.set_raw(f"kvtier:{ns.id}:s:s1", manifest)
-    await tier.set_raw(f"kvtier:{ns.id}:s:s2", b"{}", ttl=None)
-    await tier.set_raw(f"kvtier:{ns.id}:s:s3", b"{}", ttl=30)
-    assert await tier.get_raw(f"kvtier:{ns.id}:s:s1") == manifest
-    assert await tier.get_raw(f"kvtier:{ns.id}:s:nope") is None
-    assert 290 <= r.ttl(f"kvtier:{ns.id}:s:s1") <= 300
-    assert r.ttl(f"kvtier:{ns.id}:s:s2") == -1
-    assert 25 <= r.ttl(f"kvtier:{ns.id}:s:s3") <= 30
+    await manifests.set(session_key(ns, "s1"), manifest)
+    await manifests.set(session_key(ns, "s2"), b"{}", ttl=None)
+    await manifests.set(session_key(ns, "s3"), b"{}", ttl=30)
+    assert await manifests.get(session_key(ns, "s1")) == manifest
+    assert await manifests.get(session_key(ns, "nope")) is None
+    assert 290 <= r.ttl(session_key(ns, "s1")) <= 300
+    assert r.ttl(session_key(ns, "s2")) == -1
+    assert 25 <= r.ttl(session_key(ns, "s3")) <= 30
     for i in range(30):
         r.set(f"kvtier:{ns.id}:c:{i:04x}", b"x")
-    found = await tier.scan(f"kvtier:{ns.id}:s:*", count=10)
-    assert sorted(found) == [f"kvtier:{ns.id}:s:s{i}".encode() for i in (1, 2, 3)]
-    assert len(await tier.scan(f"kvtier:{ns.id}:*", count=5, limit=7)) == 7
+    found = await manifests.scan(f"kvtier:{ns.id}:s:*", count=10)
+    assert sorted(found) == [session_key(ns, f"s{i}") for i in (1, 2, 3)]
+    assert sorted(await manifests.keys(session_key(ns, ""))) == sorted(found)
+    assert len(await manifests.scan(f"kvtier:{ns.id}:*", count=5, limit=7)) == 7
+    assert not await manifests.set(session_key(ns, "s4"), b"{}", only_if_exists=True)  # SET XX
+    assert await manifests.get(session_key(ns, "s4")) is None
+    assert await manifests.set(session_key(ns, "s3"), b"[]", only_if_exists=True)
+    assert await manifests.delete(session_key(ns, "s3"))
+    assert not await manifests.delete(session_key(ns, "s3"))
     with pytest.raises(ConfigError):
-        await tier.set_raw(b"k", b"v", ttl=-1)
-    await tier.aclose()
+        await manifests.set(b"k", b"v", ttl=-1)
+    await manifests.connection.aclose()
 
 
-async def test_raw_helpers_raise_when_unreachable() -> None:
-    tier = RedisTier(f"redis://127.0.0.1:{free_port()}/0", retries=0, connect_timeout=0.2)
-    for call in (tier.get_raw(b"k"), tier.set_raw(b"k", b"v"), tier.scan("*")):
+async def test_manifest_prefix_scan_escapes_glob_characters(redis_srv: RedisProc) -> None:
+    manifests = RedisManifests(RedisConnection(redis_srv.url))
+    for key in (b"glob:a*b:1", b"glob:a*b:2", b"glob:axb:1", b"glob:a?[x]\\:1", b"glob:a?[x]\\"):
+        await manifests.set(key, b"v")
+    assert sorted(await manifests.keys(b"glob:a*b:")) == [b"glob:a*b:1", b"glob:a*b:2"]
+    assert await manifests.keys(b"glob:a?[x]\\:") == [b"glob:a?[x]\\:1"]
+    assert await manifests.keys(b"glob:zzz") == []
+    await manifests.connection.aclose()
+
+
+async def test_manifests_raise_when_unreachable() -> None:
+    manifests = RedisManifests(RedisConnection(f"redis://127.0.0.1:{free_port()}/0", retries=0,
+                                               connect_timeout=0.2))
+    for call in (manifests.get(b"k"), manifests.set(b"k", b"v"), manifests.delete(b"k"), manifests.keys(b"k")):
         with pytest.raises(TierUnavailable):
             await call
-    assert await tier.publish("ch", "chunk_stored", keys=[]) == 0  # events are best-effort
-    await tier.aclose()
+    assert manifests.connection.errors == 3  # the fourth was skipped by the open breaker
+    await manifests.connection.aclose()
 
 
-# -- events ---------------------------------------------------------------------------------------
+# -- one connection, three uses -------------------------------------------------------------------
 
 
-async def collect(it: AsyncIterator[dict[str, Any]], into: list[dict[str, Any]]) -> None:
-    async for event in it:
-        into.append(event)
+async def test_backend_parts_share_one_connection(redis_srv: RedisProc) -> None:
+    backend = RedisBackend.open(redis_srv.url, ttl=60, node_id="n1")
+    assert backend.tier.connection is backend.manifests.connection is backend.events.connection
+    assert backend.tier.role is TierRole.REMOTE and backend.tier.write_behind
+    assert backend.tier.name == "redis" and backend.tier.ttl == backend.manifests.ttl == 60
+    assert backend.events.node_id == "n1"
+    assert await backend.tier.put_many({b"b:k": b"v"}) == 1
+    await backend.manifests.set(b"b:m", b"{}")
+    assert 55 <= raw(redis_srv).ttl(b"b:m") <= 60
+    await backend.aclose()
+    assert backend.connection.closed
+    assert await backend.tier.get_many([b"b:k"]) == {}  # closed: misses, not errors
+    with pytest.raises(TierUnavailable, match="closed"):
+        await backend.manifests.get(b"b:m")
+    assert await backend.events.publish("ch", "x") == 0
+    await backend.tier.aclose()  # idempotent
 
 
-async def test_publish_compact_json(redis_srv: RedisProc) -> None:
-    tier = RedisTier(redis_srv.url, node_id="node-a", wall_clock=lambda: 1700000000.123456)
-    channel = events_channel(Namespace("fp-events"))
-    sub = raw(redis_srv).pubsub(ignore_subscribe_messages=True)
-    sub.subscribe(channel)
-    assert await tier.publish_chunks_stored(channel, [b"kvtier:x:c:01", b"kvtier:x:c:02"]) == 1
-    assert await tier.publish_session_saved(channel, "s-42", tokens=700) == 1
-    messages = []
-    deadline = time.monotonic() + 5
-    while len(messages) < 2:
-        assert time.monotonic() < deadline, "no event arrived"
-        msg = sub.get_message(timeout=0.5)  # None for the subscribe confirmation too
-        if msg:
-            messages.append(msg["data"])
-    assert messages[0] == (b'{"type":"chunk_stored","node":"node-a","keys":["kvtier:x:c:01","kvtier:x:c:02"],'
-                           b'"ts":1700000000.123}')
-    assert json.loads(messages[1]) == {"type": "session_saved", "node": "node-a", "session": "s-42",
-                                       "tokens": 700, "ts": 1700000000.123}
-    sub.close()
-    await tier.aclose()
-
-
-async def test_subscriber_gets_peer_events_and_survives_a_restart() -> None:
-    with redis_server() as srv:
-        me = RedisTier(srv.url, node_id="me")
-        peer = RedisTier(srv.url, node_id="peer")  # retries reconnect stale pooled connections
-        channel = "kvtier:test:events"
-        events: list[dict[str, Any]] = []
-        task = asyncio.create_task(collect(me.events(channel), events))
-        await wait_for(lambda: raw(srv).pubsub_numsub(channel)[0][1] == 1)
-        await me.publish(channel, "chunk_stored", keys=["own"])  # not delivered to its own node
-        raw(srv).publish(channel, b"not json")  # skipped, counted
-        await peer.publish(channel, "chunk_stored", keys=["k1"])
-        await wait_for(lambda: len(events) == 1)
-        assert events[0]["node"] == "peer" and events[0]["keys"] == ["k1"]
-        assert me.stats().errors == 1
-
-        srv.restart()  # same port, empty server
-        await wait_for(lambda: raw(srv).pubsub_numsub(channel)[0][1] == 1, timeout=10)
-        await peer.publish(channel, "session_saved", session="s1")
-        await wait_for(lambda: len(events) == 3, timeout=5, what=events)
-        assert events[1]["type"] == "reconnected"
-        assert events[2]["type"] == "session_saved" and events[2]["session"] == "s1"
-
-        srv.stop()  # down long enough for redis-py's own reconnect to give up
-        await asyncio.sleep(0.7)
-        srv.start()
-        await wait_for(lambda: raw(srv).pubsub_numsub(channel)[0][1] == 1, timeout=10)
-        await peer.publish(channel, "session_saved", session="s2")
-        await wait_for(lambda: len(events) == 5, timeout=5, what=events)
-        assert [e["type"] for e in events[3:]] == ["reconnected", "session_saved"]
-        assert me.stats().errors >= 2  # the malformed message and the lost subscription
-
-        await me.aclose()  # ends the subscription cleanly
-        await asyncio.wait_for(task, 2)
-        await peer.aclose()
-
-
-async def test_subscription_ends_when_the_consumer_stops(redis_srv: RedisProc) -> None:
-    tier = RedisTier(redis_srv.url, node_id="a")
-    peer = RedisTier(redis_srv.url, node_id="b")
-    channel = "kvtier:test:stop"
-    it = tier.events(channel, include_own=True)
-
-    async def first() -> dict[str, Any]:
-        async for event in it:
-            return event
-        raise AssertionError("ended early")
-
-    task = asyncio.create_task(first())
-    await wait_for(lambda: raw(redis_srv).pubsub_numsub(channel)[0][1] == 1)
-    await tier.publish(channel, "chunk_stored", keys=[])
-    assert (await asyncio.wait_for(task, 2))["node"] == "a"  # include_own
-    await it.aclose()  # type: ignore[attr-defined]
-    await wait_for(lambda: raw(redis_srv).pubsub_numsub(channel)[0][1] == 0)
-    await tier.aclose()
-    await peer.aclose()
+async def test_tier_errors_count_every_failed_call_of_the_connection() -> None:
+    backend = RedisBackend.open(f"redis://127.0.0.1:{free_port()}/0", retries=0, connect_timeout=0.2,
+                                breaker_failures=10)
+    assert await backend.tier.get_many([b"k"]) == {}
+    with pytest.raises(TierUnavailable):
+        await backend.manifests.get(b"k")
+    assert await backend.events.publish("ch", "x") == 0
+    assert backend.tier.stats().errors == 3
+    await backend.aclose()
 
 
 # -- Redis Cluster --------------------------------------------------------------------------------
@@ -465,26 +442,11 @@ async def test_cluster_spreads_a_prefix_over_nodes(redis_cluster: ValkeyCluster)
             assert node.execute_command("GET", k) == values[k]
     assert await tier.get_many(keys) == values
     assert await tier.contains_many(keys) == [True] * 12
-    assert sorted(await tier.scan(f"kvtier:{ns.id}:*")) == sorted(keys)
+    manifests = RedisManifests(tier.connection)
+    assert sorted(await manifests.scan(f"kvtier:{ns.id}:*")) == sorted(keys)  # every primary
     assert await tier.delete(keys[:6]) == 6
     assert await tier.contains_many(keys) == [False] * 6 + [True] * 6
     await tier.aclose()
-
-
-async def test_cluster_events_reach_subscribers(redis_cluster: ValkeyCluster) -> None:
-    a = RedisTier(redis_cluster.url, node_id="a")
-    b = RedisTier(redis_cluster.url, node_id="b")
-    events: list[dict[str, Any]] = []
-    task = asyncio.create_task(collect(a.events("kvtier:test:cluster-events"), events))
-    deadline = time.monotonic() + 5
-    while not events:  # the subscription needs a moment; publish until it sees one
-        assert time.monotonic() < deadline, "no event over the cluster"
-        await b.publish("kvtier:test:cluster-events", "chunk_stored", keys=["x"])
-        await asyncio.sleep(0.05)
-    assert events[0]["node"] == "b"
-    await a.aclose()
-    await asyncio.wait_for(task, 2)
-    await b.aclose()
 
 
 # -- Sentinel, Unix socket, TLS ------------------------------------------------------------------

@@ -34,7 +34,7 @@ async def tier(request: pytest.FixtureRequest, shm_dir: Path) -> AsyncIterator[T
         srv = request.getfixturevalue("redis_srv")
         t = RedisTier(srv.url, ttl=600)
         assert await t.ping()
-        await t._client.flushdb()  # each test starts from an empty store
+        await t.connection.client.flushdb()  # each test starts from an empty store
     else:
         cluster = request.getfixturevalue("redis_cluster")
         cluster.flushall()

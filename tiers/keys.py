@@ -158,6 +158,32 @@ def session_key(namespace: Namespace, session_id: str) -> bytes:
     return f"kvtier:{namespace.id}:s:{session_id}".encode()
 
 
+def session_tail_key(namespace: Namespace, session_id: str, tail_hash: bytes) -> bytes:
+    """Storage key of one version of a session's partial tail: ``kvtier:{ns}:t:{session}:{hex}``.
+
+    Each version has its own key, so a manifest never meets another version's tail.
+    """
+    return f"kvtier:{namespace.id}:t:{session_id}:{tail_hash.hex()}".encode()
+
+
+def session_id_of(namespace: Namespace, key: bytes) -> str:
+    """The session id in a manifest key made by ``session_key`` (the inverse of it)."""
+    base = session_key(namespace, "")
+    if not key.startswith(base):
+        raise ValueError(f"{key!r} is not a session manifest key of namespace {namespace.id}")
+    return key[len(base):].decode()
+
+
+def glob_prefix(prefix: bytes) -> bytes:
+    """A Redis glob (SCAN MATCH) of the keys that start with ``prefix``: ``* ? [ ] \\`` escaped."""
+    escaped = bytearray()
+    for byte in prefix:
+        if byte in b"*?[]\\":
+            escaped += b"\\"
+        escaped.append(byte)
+    return bytes(escaped) + b"*"
+
+
 def events_channel(namespace: Namespace) -> str:
     """Pub/sub channel of a namespace: ``kvtier:{ns}:events``."""
     return f"kvtier:{namespace.id}:events"

@@ -2,26 +2,38 @@
 
 A session is its token sequence, the prefix chunks of its full chunks (shared with every other
 session and with automatic mode, content-addressed) and its partial tail (private to the session).
-The manifest is small JSON: in Redis under ``kvtier:{ns}:s:{id}`` when Redis is configured (any
-node can restore), else in this process (node-local). Nothing read back is ever unpickled: the
-manifest is JSON, validated field by field, and every chunk is checked by the blob codec.
+The manifest is small JSON under ``kvtier:{ns}:s:{id}`` in a ``ManifestStore``: ``RedisManifests``
+when Redis is configured (any node can restore), else ``LocalManifests`` (node-local). Nothing read
+back is ever unpickled: the manifest is JSON, validated field by field, and every chunk is checked
+by the blob codec.
 """
 
 from __future__ import annotations
 
 import base64
+import builtins
 import json
 import re
 import time
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from .codec import Flags
 from .errors import KVTierError, TierUnavailable
-from .keys import ChunkHash, Namespace, as_token_array, prefix_chain, session_key, tail_hash_after
+from .keys import (
+    ChunkHash,
+    Namespace,
+    as_token_array,
+    prefix_chain,
+    session_id_of,
+    session_key,
+    session_tail_key,
+    tail_hash_after,
+)
+from .manifests import LocalManifests, ManifestStore
 from .store import PayloadSource, TieredStore
 
 SESSION_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:-]{0,127}$")
@@ -67,7 +79,7 @@ class Manifest:
     def tokens(self) -> np.ndarray:
         return np.frombuffer(base64.b64decode(self.tokens_b64), dtype="<i4")
 
-    def to_json(self) -> bytes:
+    def to_json(self) -> builtins.bytes:  # builtins: the field "bytes" shadows the type here
         return json.dumps({"version": MANIFEST_VERSION, **asdict(self)}, separators=(",", ":")).encode()
 
     def public(self) -> dict[str, Any]:
@@ -76,7 +88,7 @@ class Manifest:
         return out
 
     @classmethod
-    def from_json(cls, raw: bytes | str) -> Manifest:
+    def from_json(cls, raw: builtins.bytes | str) -> Manifest:
         if len(raw) > MAX_MANIFEST_BYTES:
             raise SessionError("session manifest is implausibly large")
         try:
@@ -107,11 +119,6 @@ def _int(data: dict[str, Any], key: str) -> int:
     return value
 
 
-def tail_key(namespace: Namespace, session_id: str, tail_hash_hex: str) -> bytes:
-    """Each version of a session's tail has its own key, so a manifest never meets another's tail."""
-    return f"kvtier:{namespace.id}:t:{session_id}:{tail_hash_hex}".encode()
-
-
 def tail_hash(chain: Sequence[ChunkHash], namespace: Namespace, tail_tokens: np.ndarray) -> ChunkHash:
     parent = chain[-1] if chain else namespace.digest
     return tail_hash_after(parent, tail_tokens)
@@ -122,23 +129,24 @@ class SessionStore:
 
     Args:
         store: the tiered store chunks live in.
-        redis: the RedisTier manifests live in; None keeps them in this process (node-local).
-        flush_timeout: seconds a save waits for its chunks to reach Redis before the manifest is
-            published (a manifest never points at chunks that are not there yet).
+        manifests: where manifests live (``RedisManifests``); None keeps them in this process
+            (``LocalManifests``, node-local).
+        flush_timeout: seconds a save waits for its chunks to reach the shared tiers before a
+            shared manifest is written (a manifest never points at chunks that are not there yet).
+        clock: wall clock of ``created`` and ``last_used``.
     """
 
-    def __init__(self, store: TieredStore, redis: Any | None = None, *, flush_timeout: float = 30.0,
-                 clock: Any = time.time):
+    def __init__(self, store: TieredStore, manifests: ManifestStore | None = None, *, flush_timeout: float = 30.0,
+                 clock: Callable[[], float] = time.time):
         self.store = store
-        self.redis = redis
+        self.manifests: ManifestStore = manifests if manifests is not None else LocalManifests()
         self.flush_timeout = flush_timeout
         self._clock = clock
-        self._local: dict[bytes, bytes] = {}
 
     @property
     def shared(self) -> bool:
-        """True when manifests are in Redis, so any node can restore any session."""
-        return self.redis is not None
+        """True when manifests are shared (Redis), so any node can restore any session."""
+        return self.manifests.shared
 
     async def save(self, namespace: Namespace, session_id: str, tokens: Sequence[int] | np.ndarray,
                    payloads: PayloadSource, tail_payload: bytes | bytearray | memoryview | None,
@@ -164,10 +172,10 @@ class SessionStore:
             t_hash = tail_hash(chain, namespace, toks[len(chain) * C:])
             blob = self.store.codec.encode(tail_payload, chunk_hash=t_hash, namespace_id=namespace.digest[:8],
                                            n_tokens=n_tail, flags=Flags.SESSION)
-            await self.store.put_raw(tail_key(namespace, session_id, t_hash.hex()), blob)
+            await self.store.put_raw(session_tail_key(namespace, session_id, t_hash), blob)
             nbytes += len(blob)
-        if self.redis is not None and not await self.store.flush(self.flush_timeout):
-            raise TierUnavailable("session chunks did not reach Redis in time")
+        if self.shared and not await self.store.flush(self.flush_timeout):
+            raise TierUnavailable("session chunks did not reach the shared tiers in time")
         old = await self._get_manifest(namespace, session_id)
         now = self._clock()
         manifest = Manifest(
@@ -178,7 +186,7 @@ class SessionStore:
         )
         await self._put_manifest(namespace, manifest)
         if old is not None and old.tail_hash and old.tail_hash != manifest.tail_hash:
-            await self.store.delete_everywhere([tail_key(namespace, session_id, old.tail_hash)])
+            await self.store.delete_everywhere([session_tail_key(namespace, session_id, bytes.fromhex(old.tail_hash))])
         return manifest
 
     async def load(self, namespace: Namespace, session_id: str) -> Manifest:
@@ -196,8 +204,8 @@ class SessionStore:
         """
         toks = manifest.tokens
         chain = prefix_chain(namespace, toks, manifest.chunks)
-        tail_at = ((tail_key(namespace, manifest.id, manifest.tail_hash), bytes.fromhex(manifest.tail_hash))
-                   if manifest.tail_tokens else None)
+        t_hash = bytes.fromhex(manifest.tail_hash)
+        tail_at = (session_tail_key(namespace, manifest.id, t_hash), t_hash) if manifest.tail_tokens else None
         fetched, tail = await self.store.fetch_with_tail(namespace, chain, tail_at)
         if fetched.n_chunks < manifest.chunks:
             raise SessionIncomplete(
@@ -215,34 +223,24 @@ class SessionStore:
 
     async def touch(self, namespace: Namespace, manifest: Manifest) -> None:
         """Record a use of the session, unless it was deleted meanwhile (never brings it back)."""
-        from dataclasses import replace
-
         await self._put_manifest(namespace, replace(manifest, last_used=self._clock()), only_if_exists=True)
 
     async def delete(self, namespace: Namespace, session_id: str) -> bool:
         """Delete the manifest and the tail (shared chunks stay: other sessions may use them)."""
         validate_session_id(session_id)
-        key = session_key(namespace, session_id)
         manifest = await self._get_manifest(namespace, session_id)
-        if self.redis is not None:
-            existed = await self.redis.delete_raw(key)
-        else:
-            existed = self._local.pop(key, None) is not None
+        existed = await self.manifests.delete(session_key(namespace, session_id))
         if existed and manifest is not None and manifest.tail_hash:
-            await self.store.delete_everywhere([tail_key(namespace, session_id, manifest.tail_hash)])
+            tail = session_tail_key(namespace, session_id, bytes.fromhex(manifest.tail_hash))
+            await self.store.delete_everywhere([tail])
         return existed
 
     async def list(self, namespace: Namespace, prefix: str = "", *, after: str = "", limit: int = 100) -> list[Manifest]:
         """Manifests whose id starts with ``prefix``, sorted by id, after ``after`` (paging)."""
         if prefix and not re.fullmatch(r"[A-Za-z0-9._:-]{1,128}", prefix):
             raise ValueError("prefix may hold only A-Z a-z 0-9 . _ : -")
-        base = session_key(namespace, "")
-        if self.redis is not None:
-            pattern = base + _glob_escape(prefix).encode() + b"*"
-            keys = await self.redis.scan(pattern, count=1000)
-        else:
-            keys = [k for k in self._local if k.startswith(base + prefix.encode())]
-        ids = sorted(k[len(base):].decode() for k in keys)
+        keys = await self.manifests.keys(session_key(namespace, prefix))
+        ids = sorted(session_id_of(namespace, k) for k in keys)
         out = []
         for sid in ids:
             if sid <= after:
@@ -255,19 +253,10 @@ class SessionStore:
         return out
 
     async def _get_manifest(self, namespace: Namespace, session_id: str) -> Manifest | None:
-        key = session_key(namespace, session_id)
-        raw = await self.redis.get_raw(key) if self.redis is not None else self._local.get(key)
+        raw = await self.manifests.get(session_key(namespace, session_id))
         if raw is None:
             return None
         return Manifest.from_json(raw)
 
     async def _put_manifest(self, namespace: Namespace, manifest: Manifest, *, only_if_exists: bool = False) -> None:
-        key = session_key(namespace, manifest.id)
-        if self.redis is not None:
-            await self.redis.set_raw(key, manifest.to_json(), only_if_exists=only_if_exists)
-        elif not only_if_exists or key in self._local:
-            self._local[key] = manifest.to_json()
-
-
-def _glob_escape(text: str) -> str:
-    return re.sub(r"([*?\[\]\\])", r"\\\1", text)
+        await self.manifests.set(session_key(namespace, manifest.id), manifest.to_json(), only_if_exists=only_if_exists)
