@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -59,11 +61,30 @@ def test_bad_config_files(tmp_path: Path) -> None:
         assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, (name, result.stderr)
 
 
+def wait_until(condition: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting until {what}"
+        time.sleep(0.01)
+
+
+def listens(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
 def test_sigterm_during_save_leaves_nothing_half_written(redis_srv: RedisProc, tmp_path: Path) -> None:
     node = Node("t", tmp_path, smollm2_path(), ["-c", "4096", "-np", "1", "-t", "2", "--cache-ram", "0"],
                 redis_srv.url, 64, extra_sidecar_args=["--shutdown-timeout", "20"])
     node.start(with_sidecar=True)
+    paused = redis.Redis(port=redis_srv.port)
     try:
+        # Redis holds every write back until the sidecar is shutting down: the save that follows
+        # the answer cannot end before the signal.
+        paused.client_pause(120_000, all=False)
         prompt = " ".join(f"Line {i}: the value of item {i} is {i * 3}." for i in range(60))
         req = urllib.request.Request(node.sidecar_url + "/completion", json.dumps(
             {"prompt": prompt, "n_predict": 2}).encode(), {"Content-Type": "application/json"})
@@ -71,13 +92,22 @@ def test_sigterm_during_save_leaves_nothing_half_written(redis_srv: RedisProc, t
             answer = json.load(r)
             prompt_tokens = int(r.headers["X-KVTier-Prompt-Tokens"])
         assert answer["timings"]["prompt_n"] > 500
-        # The save starts right after the answer; stop the sidecar while it runs.
+        # The save starts right after the answer: its chunks have reached Redis, which holds them.
+        wait_until(lambda: any("b" in c["flags"] and c["cmd"] == "set" for c in paused.client_list()),
+                   "the save's chunks wait in Redis")
         assert node.sidecar is not None and node.sidecar.proc is not None
-        node.sidecar.proc.send_signal(signal.SIGTERM)
+        proc = node.sidecar.proc
+        proc.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
-        rc = node.sidecar.proc.wait(30)
+        # Shutting down (no longer listening) but still draining the save: nothing written yet.
+        wait_until(lambda: not listens(node.sidecar_port), "the sidecar stops listening")
+        assert proc.poll() is None and not paused.keys(b"kvtier:*:c:*")
+        paused.client_unpause()
+        rc = proc.wait(30)
         assert rc == 0 and time.monotonic() - t0 < 30
     finally:
+        paused.client_unpause()
+        paused.close()
         node.stop()
     assert not list(node.slot_dir.glob("kvtier-*")), "kvtier left files in the slot dir"
     codec = BlobCodec()
