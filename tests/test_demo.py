@@ -4,6 +4,7 @@ restarted and stopped by the demo itself, and the JSON the issue specifies."""
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -30,8 +31,24 @@ def test_the_rolling_update_demo_runs_and_reports_each_turn(tmp_path: Path) -> N
     for t in side[1:]:
         assert t["restore_tier"] == "redis" and t["recomputed_tokens"] < 40, t
         assert t["restored_tokens"] + t["recomputed_tokens"] == t["prompt_tokens"], t
-    assert all(t["restored_tokens"] == 0 and t["recomputed_tokens"] == t["prompt_tokens"]
-               for t in turns if t["mode"] == "direct")
+    direct = [t for t in turns if t["mode"] == "direct"]
+    assert all(t["restored_tokens"] == 0 and t["recomputed_tokens"] == t["prompt_tokens"] for t in direct)
+    # The first turn is computed from nothing by a fresh llama-server in both modes: the same prompt
+    # gets the same greedy answer. Later turns may differ in late tokens (a restored prefix and a
+    # computed suffix are not one batch), but while the answers so far match, so do the prompts.
+    assert side[0]["restored_tokens"] == 0 and side[0]["recomputed_tokens"] == side[0]["prompt_tokens"]
+    assert side[0]["content"] == direct[0]["content"] != ""
+    for i, (s, d) in enumerate(zip(side, direct)):
+        if all(a["content"] == b["content"] for a, b in zip(side[:i], direct[:i])):
+            assert s["prompt_tokens"] == d["prompt_tokens"], (s, d)
+        if i > 0:
+            assert s["recomputed_tokens"] < d["recomputed_tokens"], (s, d)
     summary = report["summary"]
     assert {"ttft_ms_sidecar_p50", "ttft_ms_direct_p50", "speedup", "identical_outputs"} <= summary.keys()
-    assert summary["speedup"] > 0 and isinstance(summary["identical_outputs"], bool)
+    assert summary["identical_outputs"] == ([t["content"] for t in side] == [t["content"] for t in direct])
+    assert summary["recomputed_tokens_sidecar"] == sum(t["recomputed_tokens"] for t in side[1:])
+    assert summary["recomputed_tokens_direct"] == sum(t["recomputed_tokens"] for t in direct[1:])
+    assert summary["ttft_ms_sidecar_p50"] == statistics.median(t["ttft_ms"] for t in side[1:])
+    assert summary["ttft_ms_direct_p50"] == statistics.median(t["ttft_ms"] for t in direct[1:])
+    # Restoring a few hundred tokens beats recomputing them on a node that has just restarted.
+    assert summary["speedup"] == round(summary["ttft_ms_direct_p50"] / summary["ttft_ms_sidecar_p50"], 2) > 1, summary
