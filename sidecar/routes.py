@@ -28,6 +28,8 @@ Access = Literal["open", "admin", "api"]
 
 @dataclass(frozen=True, slots=True)
 class Route:
+    """One of kvtier's own endpoints."""
+
     method: str
     path: str  # aiohttp's pattern: /v1/sessions/{id}
     handler: Handler
