@@ -247,6 +247,45 @@ def _cut(stream: KVStream, a: int, b: int, heads: bytes, arr: np.ndarray, out: m
     return out
 
 
+def first_cells(payload: bytes | memoryview, n: int) -> bytes | memoryview:
+    """The first ``n`` cells of a chunk payload, as a payload of their own.
+
+    Attention is causal: a cell's K and V depend only on the tokens up to it, so the first ``n``
+    cells of a stored chunk (or tail) are exactly what a prompt sharing only those ``n`` tokens
+    would have computed. Returns ``payload`` itself when it holds ``n`` cells or fewer.
+
+    Raises:
+        StateFormatError: ``payload`` is not a valid chunk payload.
+    """
+    info = read_chunk_header(payload)
+    if n >= info.n_cells:
+        return payload
+    if n <= 0:
+        raise ValueError(f"cannot cut a chunk to {n} cells")
+    src = as_uint8(payload)
+    per_cell = sum(la.k_row_size + la.v_row_size for la in info.layers)
+    out = np.empty(info.data_offset + n * per_cell, np.uint8)
+    out[: info.data_offset] = src[: info.data_offset]
+    _HEAD.pack_into(out.data, 0, CHUNK_MAGIC, CHUNK_VERSION, FLAG_V_TRANS if info.v_trans else 0, n, info.first_pos,
+                    info.n_layer, 0)
+    at, to = info.data_offset, info.data_offset
+    for la in info.layers:
+        out[to : to + n * la.k_row_size] = src[at : at + n * la.k_row_size]
+        at += info.n_cells * la.k_row_size
+        to += n * la.k_row_size
+    for la in info.layers:
+        block = src[at : at + info.n_cells * la.v_row_size]
+        if info.v_trans:
+            el = la.v_el_size
+            out[to : to + n * la.v_row_size].reshape(la.n_embd_v_gqa, n * el)[...] = (
+                block.reshape(la.n_embd_v_gqa, info.n_cells * el)[:, : n * el])
+        else:
+            out[to : to + n * la.v_row_size] = block[: n * la.v_row_size]
+        at += info.n_cells * la.v_row_size
+        to += n * la.v_row_size
+    return out.data
+
+
 # -- assemble -------------------------------------------------------------------------------------
 
 
@@ -313,24 +352,24 @@ def state_pieces(
     layers = _check_agree(infos)
     if n_cells == 0:
         empty = np.zeros(HEADER_BYTES + 4 + 4 * n_stream, np.uint8)
-        struct.pack_into("<IIII", empty, 0, GGSQ_MAGIC, GGSQ_VERSION, 0, n_stream)
+        struct.pack_into("<IIII", empty.data, 0, GGSQ_MAGIC, GGSQ_VERSION, 0, n_stream)
         return [empty.data]
     transposing = v_trans or any(i.v_trans for i in infos)
     els = [_target_el(la, infos, v_trans, il) for il, la in enumerate(layers)] if transposing else []
     # Everything before the first layer's K rows: header, tokens, stream count, cells, V layout.
     meta_at = HEADER_BYTES + 4 * n_cells + 8
     head = np.empty(meta_at + CELL_DTYPE.itemsize * n_cells + 8, np.uint8)
-    struct.pack_into("<III", head, 0, GGSQ_MAGIC, GGSQ_VERSION, n_cells)
+    struct.pack_into("<III", head.data, 0, GGSQ_MAGIC, GGSQ_VERSION, n_cells)
     head[HEADER_BYTES : HEADER_BYTES + 4 * n_cells].view("<i4")[:] = toks[:n_cells]
-    struct.pack_into("<II", head, HEADER_BYTES + 4 * n_cells, n_stream, n_cells)
+    struct.pack_into("<II", head.data, HEADER_BYTES + 4 * n_cells, n_stream, n_cells)
     cells = head[meta_at : meta_at + CELL_DTYPE.itemsize * n_cells].view(CELL_DTYPE)
     cells["pos"] = np.arange(n_cells, dtype=np.int32)
     cells["n_seq_id"] = 1
     cells["seq_id"] = 0
-    struct.pack_into("<II", head, head.size - 8, int(v_trans), len(layers))
+    struct.pack_into("<II", head.data, head.size - 8, int(v_trans), len(layers))
     pieces = [head.data]
     arrays = [as_uint8(p) for p in payloads]
-    views = [memoryview(a) for a in arrays]
+    views = [a.data for a in arrays]
     at = [i.data_offset for i in infos]
     # The transposed V blocks, one buffer for all layers.
     v_blocks = np.empty(n_cells * sum(la.v_row_size for la in layers) if transposing else 0, np.uint8)
@@ -369,7 +408,7 @@ def write_pieces(path: str | os.PathLike[str], pieces: Sequence[BytesLike], *, o
         FileExistsError: ``path`` exists and ``overwrite`` is False (names are meant to be unique).
         OSError: the file cannot be written (it is removed again).
     """
-    todo = [v for v in (memoryview(p).cast("B") for p in pieces) if v.nbytes]
+    todo = [v for v in (as_uint8(p).data for p in pieces) if v.nbytes]
     flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
     fd = os.open(path, flags | (0 if overwrite else os.O_EXCL), 0o644)
     total = i = 0

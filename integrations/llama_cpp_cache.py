@@ -35,7 +35,7 @@ import time
 import weakref
 from collections.abc import Coroutine, Mapping, Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import numpy as np
 from llama_cpp.llama import Llama, LlamaState
@@ -45,13 +45,14 @@ from tiers.base import Tier, parse_size
 from tiers.codec import BlobCodec
 from tiers.errors import ConfigError, KVTierError
 from tiers.events import EventBus
-from tiers.keys import ChunkHash, Namespace, as_token_array, chunk_key, events_channel, prefix_chain
+from tiers.keys import Namespace, as_token_array, common_prefix
 from tiers.memory import MemoryTier
 from tiers.redis_backend import RedisBackend
 from tiers.sessions import SessionStore
-from tiers.store import FetchResult, StoreResult, TieredStore
+from tiers.store import StoreResult, TieredStore
 
-from .chunks import assemble_state, split_state
+from . import kvflow
+from .chunks import assemble_state
 from .fingerprint import layout_fingerprint, model_identity
 from .llama_cpp_state import (
     ContextInfo,
@@ -62,7 +63,7 @@ from .llama_cpp_state import (
     read_seq_image,
     whole_state_bytes,
 )
-from .statefile import SeqState, parse_state
+from .statefile import parse_state
 
 log = logging.getLogger("kvtier.llama_cpp")
 T = TypeVar("T")
@@ -233,7 +234,7 @@ class SyncStore:
         """Drain queued writes (bounded), close the tiers and stop the loop thread. Idempotent."""
         self._finalizer()
 
-    def __enter__(self) -> SyncStore:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -263,12 +264,6 @@ def _lora_salt(llm: Llama, salt: str) -> str:
         return salt
     lora = f"lora:{model_identity(path)}:{float(getattr(llm, 'lora_scale', 1.0))!r}"
     return f"{salt}\0{lora}" if salt else lora
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    n = min(a.size, b.size)
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
 
 
 class KVTierCache(BaseLlamaCache):
@@ -330,8 +325,10 @@ class KVTierCache(BaseLlamaCache):
             shared_dir=shared_dir, shared_bytes=shared_capacity, compression=compression,
         )
         self.counters = CacheCounters()
-        self.node_id = getattr(self.store.redis, "node_id", None) or f"{socket.gethostname()}:{os.getpid()}"
+        self.node_id = getattr(self.store.events, "node_id", None) or f"{socket.gethostname()}:{os.getpid()}"
         self._warned: set[str] = set()
+        self._tail: kvflow.TailRecord | None = None  # the partial tail this context stored or restored last
+        self._held = np.zeros(0, np.int32)  # what the context held at the last save (for that tail)
 
     def __repr__(self) -> str:
         return (f"KVTierCache(namespace={self.namespace.id}, chunk_tokens={self.namespace.chunk_tokens}, "
@@ -345,17 +342,12 @@ class KVTierCache(BaseLlamaCache):
         return self.store.memory.stats().bytes_used
 
     def __contains__(self, key: Sequence[int]) -> bool:
-        """True when at least one chunk of ``key``'s prefix is stored (leaving one token to evaluate)."""
-        tokens = as_token_array(key)
-        chain = self._chain(tokens)
-        if not chain:
-            return False
+        """True when at least one chunk of ``key``'s prefix is stored (``kvflow.restorable_tokens``)."""
         try:
-            found = self.store.call(self.store.store.lookup_chain(self.namespace, chain), self.timeout)
+            return self._find(as_token_array(key)).chunks.n_chunks > 0
         except Exception as exc:
             self._failed("lookup", exc)
             return False
-        return found.n_chunks > 0
 
     def __getitem__(self, key: Sequence[int]) -> LlamaState:
         """The longest stored prefix of ``key`` as a whole-context ``LlamaState`` for ``load_state``.
@@ -380,12 +372,10 @@ class KVTierCache(BaseLlamaCache):
         except Exception as exc:
             self._failed("restore", exc)
             raise KeyError("kvtier lookup failed") from None
-        n = fetched.n_tokens
+        n = self._restored(fetched)
         input_ids = np.full(len(self.llm.input_ids), -1, dtype=np.intc)  # -1 never matches a prompt token
         input_ids[:n] = tokens[:n]
-        self.counters.hits += 1
-        self.counters.tokens_restored += n
-        log.debug("restoring %d of %d tokens (%s)", n, tokens.size, ",".join(sorted(set(fetched.tiers))))
+        log.debug("restoring %d of %d tokens (%s)", n, tokens.size, ",".join(sorted(fetched.tiers)))
         return LlamaState(input_ids=input_ids, scores=_NO_SCORES, n_tokens=n, llama_state=whole,  # type: ignore[arg-type]
                           llama_state_size=whole.nbytes, seed=self.llm._seed)
 
@@ -399,12 +389,9 @@ class KVTierCache(BaseLlamaCache):
     # -- explicit, per-sequence use ---------------------------------------------------------------
 
     def lookup(self, tokens: Sequence[int] | np.ndarray) -> int:
-        """How many leading tokens of ``tokens`` the tiers hold (whole chunks, one token left over)."""
-        chain = self._chain(as_token_array(tokens))
-        if not chain:
-            return 0
-        found = self.store.call(self.store.store.lookup_chain(self.namespace, chain), self.timeout)
-        return found.matched_tokens
+        """How many leading tokens of ``tokens`` the tiers hold (chunks and a partial tail, one
+        token left over)."""
+        return self._find(as_token_array(tokens)).n_tokens
 
     def restore(self, tokens: Sequence[int] | np.ndarray) -> int:
         """Restore the longest stored prefix of ``tokens`` into the bound ``Llama`` (its sequence 0).
@@ -423,13 +410,11 @@ class KVTierCache(BaseLlamaCache):
             if fetched is None:
                 return have
             image = assemble_state(fetched.payloads, toks, v_trans=self.info.v_trans, n_stream=self.info.n_stream)
-            n = load_seq_image(self.llm, image)
+            load_seq_image(self.llm, image)
         except Exception as exc:
             self._failed("restore", exc)
             return common_prefix(context_tokens(self.llm), toks)
-        self.counters.hits += 1
-        self.counters.tokens_restored += n
-        return n
+        return self._restored(fetched)
 
     def save(self) -> StoreResult | None:
         """Store the full chunks of what the bound ``Llama`` holds now (only those not stored yet)."""
@@ -453,17 +438,8 @@ class KVTierCache(BaseLlamaCache):
         if tokens.size == 0:
             raise ValueError("the context holds no tokens to save")
         state = parse_state(read_seq_image(self.llm, tokens=tokens))
-        if state.split_reason is not None:
-            raise KVTierError(f"this context's state cannot be split into chunks ({state.split_reason})")
-        split = split_state(state, self.namespace.chunk_tokens, tail=True)
-        manifest = self.store.call(self.store.sessions.save(
-            self.namespace, session_id, tokens, lambda i: split.chunks[i], split.tail,
-            node=self.node_id, kv_bytes=int(tokens.size) * split.layout.bytes_per_token,
-        ), None)
-        if self.store.redis is not None:
-            self._publish("session_saved", self.store.redis.publish_session_saved(
-                events_channel(self.namespace), session_id, tokens=int(tokens.size)))
-        return manifest
+        return self.store.call(kvflow.save_session(self.store.sessions, self.namespace, session_id, state,
+                                                   node=self.node_id, events=self.store.events), None)
 
     def restore_session(self, session_id: str) -> int:
         """Restore a saved session into the bound ``Llama``; returns its token count.
@@ -498,7 +474,7 @@ class KVTierCache(BaseLlamaCache):
         if self._owns_store:
             self.store.close()
 
-    def __enter__(self) -> KVTierCache:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -515,31 +491,38 @@ class KVTierCache(BaseLlamaCache):
 
     # -- internals ------------------------------------------------------------------------------
 
-    def _chain(self, tokens: np.ndarray, max_chunks: int | None = None) -> list[ChunkHash]:
-        C = self.namespace.chunk_tokens
-        # Leave one token to evaluate (fresh logits), and never more than the context holds.
-        limit = min(max(int(tokens.size) - 1, 0), self.info.n_ctx - 1) // C
-        return prefix_chain(self.namespace, tokens, limit if max_chunks is None else min(limit, max_chunks))
+    def _find(self, tokens: np.ndarray) -> kvflow.PrefixFound:
+        return self.store.call(kvflow.find_prefix(self.store.store, self.namespace, tokens, n_ctx=self.info.n_ctx),
+                               self.timeout)
 
-    def _fetch_prefix(self, tokens: np.ndarray, have: int | None = None) -> FetchResult | None:
-        """Verified payloads of the longest stored prefix of ``tokens`` when longer than ``have``."""
+    def _fetch_prefix(self, tokens: np.ndarray, have: int | None = None) -> kvflow.PrefixFetched | None:
+        """Verified payloads of the longest stored prefix of ``tokens`` (chunks and a partial tail)
+        when longer than ``have``."""
         if have is None:
             have = common_prefix(context_tokens(self.llm), tokens)
-        chain = self._chain(tokens)
-        if len(chain) * self.namespace.chunk_tokens <= have:
+        if kvflow.restorable_tokens(int(tokens.size), self.info.n_ctx) <= have:
             return None
-        store, ns = self.store.store, self.namespace
+        store, ns, n_ctx = self.store.store, self.namespace, self.info.n_ctx
 
-        async def lookup_and_fetch() -> FetchResult | None:
-            found = await store.lookup_chain(ns, chain)
-            if found.matched_tokens <= have:
+        async def lookup_and_fetch() -> kvflow.PrefixFetched | None:
+            found = await kvflow.find_prefix(store, ns, tokens, n_ctx=n_ctx)
+            if found.n_tokens <= have:
                 return None
-            return await store.fetch(ns, found.chunks)
+            return await kvflow.fetch_prefix(store, ns, found, promote=True)
 
         fetched = self.store.call(lookup_and_fetch(), self.timeout)
         if fetched is None or fetched.n_tokens <= have:
             return None
         return fetched
+
+    def _restored(self, fetched: kvflow.PrefixFetched) -> int:
+        """Count a restore; remember its tail (the next save replaces it)."""
+        n = fetched.n_tokens
+        self.counters.hits += 1
+        self.counters.tokens_restored += n
+        if fetched.tail is not None:
+            self._tail = kvflow.TailRecord(fetched.tail.key, n)
+        return n
 
     def _save(self, key: np.ndarray, value: LlamaState | None) -> StoreResult | None:
         t0 = time.perf_counter()
@@ -552,12 +535,7 @@ class KVTierCache(BaseLlamaCache):
             tokens, source = as_token_array(np.asarray(value.input_ids[: value.n_tokens])), "value"
         else:
             return None
-        chain = prefix_chain(ns, tokens)
-        if not chain:
-            return None
-        keys = [chunk_key(ns, h) for h in chain]
-        # The memory tier is written first on every save: holding every chunk means nothing is new.
-        if all(self.store.call(self.store.memory.contains_many(keys), self.timeout)):
+        if tokens.size < ns.chunk_tokens:
             return None
         if source == "context":
             image = read_seq_image(llm, tokens=tokens)
@@ -568,25 +546,21 @@ class KVTierCache(BaseLlamaCache):
         if state.split_reason is not None:
             self._warn_once(state.split_reason, "state not stored: %s", state.split_reason)
             return None
-        redis = self.store.redis
-        announce = None
-        if redis is not None:
-            async def announce(written: list[bytes]) -> None:  # once Redis holds them (write-behind)
-                await redis.publish_chunks_stored(events_channel(ns), written)
-        result = self.store.call(self.store.store.store(ns, chain, _lazy_chunks(state, ns.chunk_tokens),
-                                                        announce=announce), self.timeout)
+        previous, self._held = self._held, tokens.copy()
+        stored = self.store.call(kvflow.store_state(self.store.store, ns, state, events=self.store.events,
+                                                    previous=self._tail, previous_tokens=previous), self.timeout)
+        if stored.tail_error is not None:
+            self._failed("tail store", stored.tail_error)
+        if stored.tail_error is None or stored.tail_stored:
+            self._tail = stored.tail
+        result = stored.chunks
+        assert result is not None
         self.counters.saves += 1
         self.counters.chunks_written += result.chunks_written
         self.counters.bytes_written += result.bytes_encoded
-        log.debug("stored %d new of %d chunks in %.1f ms", result.chunks_written, len(chain),
+        log.debug("stored %d new of %d chunks in %.1f ms", result.chunks_written, result.chunks_total,
                   (time.perf_counter() - t0) * 1e3)
         return result
-
-    def _publish(self, what: str, coro: Coroutine[Any, Any, int]) -> None:
-        try:
-            self.store.call(coro, self.timeout)
-        except Exception as exc:
-            log.debug("publishing %s failed: %s", what, exc)
 
     def _failed(self, step: str, exc: BaseException) -> None:
         self.counters.errors += 1
@@ -598,26 +572,13 @@ class KVTierCache(BaseLlamaCache):
             log.warning(message, *args)
 
 
-def _lazy_chunks(state: SeqState, chunk_tokens: int) -> Any:
-    """``payloads(i)`` for ``TieredStore.store``: chunks are cut only when a tier lacks them."""
-    cut: dict[int, memoryview] = {}
-
-    def payload(i: int) -> memoryview:
-        if i not in cut:
-            split = split_state(state, chunk_tokens, first_chunk=i)
-            cut.update({split.first_chunk + j: p for j, p in enumerate(split.chunks)})
-        return cut[i]
-
-    return payload
-
-
 # -- module-level helpers -------------------------------------------------------------------------
 
 
 def _cache_of(llm: Llama, cache: KVTierCache | None) -> KVTierCache:
     cache = cache if cache is not None else getattr(llm, "cache", None)
     if not isinstance(cache, KVTierCache):
-        raise ValueError("pass cache=KVTierCache(...) or call llm.set_cache(KVTierCache(llm, ...)) first")
+        raise TypeError("pass cache=KVTierCache(...) or call llm.set_cache(KVTierCache(llm, ...)) first")
     if cache.llm is not llm:
         raise ValueError("this KVTierCache is bound to another Llama")
     return cache

@@ -77,9 +77,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     metrics = app[METRICS]
     metrics.attach_store(store)
     engine = KVEngine(settings, LlamaServerClient(settings.llama_url, session), store, metrics,
+                      SessionStore(store, redis.manifests if redis is not None else None),
                       events=redis.events if redis is not None else None)
-    # Manifests in Redis when there is one (the engine's own SessionStore would get the event bus).
-    engine.sessions = SessionStore(store, redis.manifests if redis is not None else None)
     app[UPSTREAM] = upstream
     app[STORE] = store
     app[REDIS] = redis.tier if redis is not None else None

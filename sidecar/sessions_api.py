@@ -135,15 +135,12 @@ async def save_session(request: web.Request) -> web.Response:
                            "no slot is known to have served this session here; pass {\"slot\": n}")
     ns, salt = _namespace(request, engine)
     t0 = time.perf_counter()
-    lease = await _acquire(engine, np.zeros(0, np.int32), slot, wait, salt)
-    try:
+    with await _acquire(engine, np.zeros(0, np.int32), slot, wait, salt) as lease:
         if lease.foreign:
             raise ApiError(403, "forbidden", "that slot holds another tenant's conversation")
-        if engine.slots.tokens(slot).size == 0:
+        if lease.table.tokens(slot).size == 0:
             raise ApiError(409, "conflict", f"slot {slot} holds no conversation")
-        manifest = await engine.save_session(slot, ns, session_id, owner=salt)
-    finally:
-        engine.slots.release(lease.slot)
+        manifest = await engine.save_session(lease, ns, session_id, owner=salt)
     return web.json_response({
         "id": session_id, "slot": slot, "tokens": manifest.n_tokens, "chunks": manifest.chunks,
         "tail_tokens": manifest.tail_tokens, "bytes": manifest.bytes, "shared": engine.sessions.shared,
@@ -162,15 +159,11 @@ async def restore_session(request: web.Request) -> web.Response:
     manifest = await engine.sessions.load(ns, session_id)
     if manifest.n_tokens > engine.target.n_ctx_slot > 0:
         raise ApiError(400, "invalid_request", f"session has {manifest.n_tokens} tokens; slots hold {engine.target.n_ctx_slot}")
-    lease = await _acquire(engine, manifest.tokens, slot, wait, salt)
-    try:
-        n, tier, ms = await engine.restore_session(lease.slot, manifest, namespace=ns, salt=salt)
-        engine.session_slots[session_id] = lease.slot
-    finally:
-        engine.slots.release(lease.slot)
+    with await _acquire(engine, manifest.tokens, slot, wait, salt) as lease:
+        restored = await engine.restore_session(lease, manifest, ns, salt=salt)
     request.app[METRICS].requests.labels("session_restore", "ok").inc()
-    return web.json_response({"id": session_id, "slot": lease.slot, "n_restored": n, "tier": tier,
-                              "ms": round(ms, 2)})
+    return web.json_response({"id": session_id, "slot": lease.slot, "n_restored": restored.n_tokens,
+                              "tier": restored.tier, "ms": round(restored.ms, 2)})
 
 
 @sessions_errors

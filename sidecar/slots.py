@@ -12,18 +12,12 @@ import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Self
 
 import numpy as np
 
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the common prefix of two int32 token arrays (vectorised)."""
-    n = min(a.size, b.size)
-    if n == 0:
-        return 0
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
-
+from integrations.kvflow import TailRecord
+from tiers.keys import common_prefix
 
 # What a request asked, as far as follow-ups go: a chat's message digests, or a text prompt.
 Asked = tuple[int, ...] | str
@@ -56,16 +50,35 @@ class Slot:
     owner: str = ""  # tenant salt of what the slot holds: another tenant's tokens never count
     served: bool = False  # has run a completion since llama-server started (it reports a count then)
     asked: Asked = ()  # the request whose answer the slot holds (forgotten with its tokens)
+    tail: TailRecord | None = None  # the partial tail it stored or restored last
+    resynced: int | None = None  # llama-server's token count when kvtier last read the slot again
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, eq=False)
 class Lease:
-    """A slot granted to one request; give it back with ``SlotTable.release``."""
+    """A slot granted to one request, bound to the table it came from.
 
+    ``release()`` gives it back to that table (not to a table that replaced it since, after
+    llama-server restarted) and is idempotent; ``with lease:`` releases on exit.
+    """
+
+    table: SlotTable
     slot: int
     cached_tokens: int  # tokens of the request's prompt the slot already holds (same tenant)
-    waited_s: float
+    waited_s: float = 0.0
     foreign: bool = False  # the slot holds another tenant's tokens: erase before use
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.table._release(self.slot)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
 
 
 class SlotTable:
@@ -98,7 +111,7 @@ class SlotTable:
             best = min(idle, key=lambda s: s.last_used)
         best.busy = True
         best.last_used = self._clock()
-        return Lease(best.id, best_prefix, 0.0, foreign=best.owner != owner and best.tokens.size > 0)
+        return Lease(self, best.id, best_prefix, foreign=best.owner != owner and best.tokens.size > 0)
 
     async def acquire(self, tokens: np.ndarray, *, want: int | None = None, timeout: float | None = None,
                       owner: str = "") -> Lease:
@@ -125,11 +138,12 @@ class SlotTable:
             if entry in self._waiters:
                 self._waiters.remove(entry)
             if fut.done() and not fut.cancelled():
-                self.release(fut.result().slot)  # granted as we gave up: hand it on
+                fut.result().release()  # granted as we gave up: hand it on
             else:
                 fut.cancel()
             raise
-        return Lease(lease.slot, lease.cached_tokens, self._clock() - t0, lease.foreign)
+        lease.waited_s = self._clock() - t0
+        return lease
 
     def follow_up(self, asked: Asked, *, want: int | None = None, owner: str = "") -> Lease | None:
         """The idle slot holding the request that ``asked`` continues (see ``continues``), taken
@@ -144,19 +158,19 @@ class SlotTable:
                     and continues(s.asked, asked)):
                 s.busy = True
                 s.last_used = self._clock()
-                return Lease(s.id, 0, 0.0)
+                return Lease(self, s.id, 0)
         return None
 
-    def try_acquire(self, slot: int) -> bool:
-        """Take a specific idle slot without waiting (False when busy)."""
+    def try_acquire(self, slot: int) -> Lease | None:
+        """Take a specific idle slot without waiting (None when busy)."""
         s = self.slots[slot]
         if s.busy:
-            return False
+            return None
         s.busy = True
         s.last_used = self._clock()
-        return True
+        return Lease(self, slot, 0)
 
-    def release(self, slot: int) -> None:
+    def _release(self, slot: int) -> None:
         self.slots[slot].busy = False
         self.slots[slot].last_used = self._clock()
         self._wake()
@@ -185,8 +199,6 @@ class SlotTable:
     def tokens(self, slot: int) -> np.ndarray:
         return self.slots[slot].tokens
 
-    def forget_all(self) -> None:
-        """After llama-server restarted: no slot holds anything any more."""
-        for s in self.slots:
-            s.tokens = np.zeros(0, dtype=np.int32)
-            s.asked = ()
+    def forget(self, slot: int) -> None:
+        """What ``slot`` holds is unknown now (a failed request or save, a restarted server)."""
+        self.set_tokens(slot, np.zeros(0, np.int32))

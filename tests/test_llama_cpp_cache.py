@@ -18,12 +18,13 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import llama_cpp
 import pytest
 import redis
 
-import llama_cpp
 from integrations.chunks import assemble_state, split_state
 from integrations.fingerprint import layout_fingerprint, model_identity
+from integrations.kvflow import REF_STEP
 from integrations.llama_cpp_cache import KVTierCache, SyncStore, restore_session, save_session
 from integrations.llama_cpp_state import image_from_llama_state, load_seq_image, read_seq_image
 from integrations.llama_server import LlamaServerClient
@@ -147,8 +148,9 @@ def test_prefix_hit_gives_identical_tokens_and_evaluates_only_the_suffix(llm: ll
     first, second = tokens_of(llm, FACTS, "How many marbles does box 3 hold?"), tokens_of(
         llm, FACTS, "What colour is box 5?")
     shared = next(i for i, (a, b) in enumerate(zip(first, second)) if a != b)
-    restorable = min(shared, len(second) - 1) // CHUNK * CHUNK
-    assert restorable >= 3 * CHUNK
+    # Whole chunks, then the first cells of the chunk the prompts part in (a prefix reference).
+    restorable = min(shared, len(second) - 1) // REF_STEP * REF_STEP
+    assert restorable >= 3 * CHUNK and restorable % CHUNK
     want_text, want_ids = reference(second)
     with cached(llm) as cache:
         complete(llm, first)
@@ -177,7 +179,7 @@ def test_explicit_restore_sets_the_bookkeeping(llm: llama_cpp.Llama, reference: 
         complete(llm, prompt)
         llm.reset()
         restored = cache.restore(prompt)
-        assert restored == (len(prompt) - 1) // CHUNK * CHUNK
+        assert restored == (len(prompt) - 1) // REF_STEP * REF_STEP
         assert llm.n_tokens == restored and llm.input_ids[:restored].tolist() == prompt[:restored]
         llm.set_cache(None)  # the Llama's own prefix reuse takes it from here
         llm.evals.clear()  # type: ignore[attr-defined]
@@ -210,7 +212,7 @@ def test_second_process_restores_what_the_first_computed(llm: llama_cpp.Llama, f
         llm, OTHER, "What does shelf 2 store?")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", PROCESS_ONE, flushed.url, json.dumps(first)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     one = json.loads(proc.stdout.strip().splitlines()[-1])
     assert one["flushed"] and one["chunks"] >= 3
@@ -222,7 +224,7 @@ def test_second_process_restores_what_the_first_computed(llm: llama_cpp.Llama, f
         restored = cache.counters.tokens_restored
         assert restored >= 3 * CHUNK and evaluated == len(second) - restored
         assert (text, ids) == reference(second)
-        assert cache.stats()["tiers"]["redis"]["hits"] == restored // CHUNK
+        assert cache.stats()["tiers"]["redis"]["hits"] >= restored // CHUNK
 
 
 # -- in-process <-> llama-server ------------------------------------------------------------------
@@ -418,11 +420,11 @@ async def test_sessions_cross_with_the_sidecar(llm: llama_cpp.Llama, flushed: Re
             other = tokens_of(llm, OTHER, "What does shelf 5 store?")
             answer = await post(sidecar.url + "/completion", {"prompt": other, "n_predict": N_PREDICT, "temperature": 0})
             assert answer.status == 200, answer.text
-            async with aiohttp.ClientSession() as http:
-                async with http.put(sidecar.url + "/v1/sessions/srv-1",
-                                    json={"slot": int(answer.headers["X-KVTier-Slot"])}) as r:
-                    assert r.status == 200, await r.text()
-                    n_saved = (await r.json())["tokens"]
+            slot = int(answer.headers["X-KVTier-Slot"])
+            async with aiohttp.ClientSession() as http, http.put(sidecar.url + "/v1/sessions/srv-1",
+                                                                 json={"slot": slot}) as r:
+                assert r.status == 200, await r.text()
+                n_saved = (await r.json())["tokens"]
     assert n_saved >= len(other)
 
     def resume() -> tuple[int, list[int], int]:

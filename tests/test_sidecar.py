@@ -170,7 +170,7 @@ async def test_text_follow_ups_go_to_their_slot_untokenized(cluster: Cluster) ->
         assert ans.status == 200 and ans.content == expected
         await settle(node)
         answers.append((ans, node.metric("kvtier_follow_ups_total") - before))
-    (first, n1), (second, n2), (third, n3) = answers
+    (_first, n1), (second, n2), (third, n3) = answers
     assert (n1, n2, n3) == (0, 1, 0)
     # The same document with another question went to the slot holding it: only the question computed.
     assert "X-KVTier-Prompt-Tokens" not in second.headers and second.prompt_n < 20, second.body["timings"]
@@ -192,8 +192,9 @@ async def test_a_hop_restores_the_partial_tail_too_and_never_a_damaged_one(clust
         await settle(c.a)
         slot = int(ans.headers["X-KVTier-Slot"])
         held = c.a.engine.slots.tokens(slot).size
-        key, end = c.a.engine._tails[slot]
-        assert end == held and held % CHUNK and r.exists(key)
+        tail = c.a.engine.slots.slots[slot].tail
+        assert tail is not None and tail.end == held and held % CHUNK and r.exists(tail.key)
+        key = tail.key
         if damaged:
             r.setrange(key, HEADER_SIZE + 8, b"\x00\x01\x02\x03")
         second = {**first, "prompt": first["prompt"] + ans.content + "\nQuestion: and which is red?\nAnswer:"}

@@ -17,8 +17,9 @@ from sidecar.costmodel import CostModel
 from sidecar.metrics import Metrics
 from sidecar.prompts import chat_digests
 from sidecar.proxy import upstream_body
-from sidecar.slots import FOLLOW_UP_MAX_CHARS, SlotTable, common_prefix, continues
+from sidecar.slots import FOLLOW_UP_MAX_CHARS, SlotTable, continues
 from tiers.errors import ConfigError
+from tiers.keys import common_prefix
 from tiers.redis_urls import redacted_url
 
 
@@ -50,7 +51,7 @@ async def test_tenants_never_count_each_others_tokens() -> None:
     table.set_tokens(0, arr(1, 2, 3), owner="a")
     lease = await table.acquire(arr(1, 2, 3, 4), owner="b")
     assert lease.cached_tokens == 0 and lease.foreign
-    table.release(0)
+    lease.release()
     table.set_tokens(0, arr(1, 2, 3), owner="b")
     lease = await table.acquire(arr(1, 2, 3, 4), owner="b")
     assert lease.cached_tokens == 3 and not lease.foreign
@@ -68,7 +69,7 @@ async def test_more_requests_than_slots_queue_fairly_and_never_share() -> None:
         order.append(i)
         await asyncio.sleep(0.01)
         in_use.discard(lease.slot)
-        table.release(lease.slot)
+        lease.release()
 
     tasks = []
     for i in range(10):
@@ -87,7 +88,7 @@ async def test_waiting_for_a_specific_slot_times_out_and_cancels_cleanly() -> No
     assert table.queue_depth == 0
     free = await table.acquire(arr(2), timeout=0.05)  # the other slot is not blocked by the waiter
     assert free.slot == 1
-    table.release(held.slot)
+    held.release()
     with pytest.raises(ValueError):
         await table.acquire(arr(1), want=5)
 
@@ -131,7 +132,7 @@ async def test_follow_up_takes_only_an_idle_slot_of_the_same_tenant_holding_the_
     lease = table.follow_up((1, 3), owner="t")
     assert lease is not None and lease.slot == 1 and table.slots[1].busy
     assert table.follow_up((1, 3), owner="t") is None  # busy
-    table.release(1)
+    lease.release()
     # Waiting requests keep their turn: no follow-up jumps the queue.
     held = await table.acquire(arr(9), want=1)
     waiter = asyncio.create_task(table.acquire(arr(9), want=1))
@@ -140,8 +141,8 @@ async def test_follow_up_takes_only_an_idle_slot_of_the_same_tenant_holding_the_
     table.slots[1].busy = False  # idle for a moment, its waiter not woken yet
     assert table.follow_up((1, 3), owner="t") is None
     table.slots[1].busy = True
-    table.release(held.slot)
-    table.release((await waiter).slot)
+    held.release()
+    (await waiter).release()
     # New tokens (a restore, a save, a failure) make the slot forget its chat.
     table.set_tokens(1, arr(5, 6, 7, 8), owner="t")
     assert table.slots[1].asked == () and table.follow_up((1, 3), owner="t") is None

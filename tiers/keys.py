@@ -73,7 +73,7 @@ def as_token_array(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
 def hash_chunk(parent: bytes, chunk_tokens: np.ndarray) -> ChunkHash:
     """``H(parent || int32-LE tokens)`` for one chunk."""
     h = hashlib.blake2b(parent, digest_size=DIGEST_SIZE)
-    h.update(memoryview(chunk_tokens).cast("B"))
+    h.update(chunk_tokens.data.cast("B"))
     return ChunkHash(h.digest())
 
 
@@ -122,7 +122,7 @@ def tail_hashes(parent: bytes, tokens: Sequence[int] | np.ndarray) -> list[Chunk
     arr = as_token_array(tokens)
     h = hashlib.blake2b(TAIL_DOMAIN + parent, digest_size=DIGEST_SIZE)
     out: list[ChunkHash] = []
-    view = memoryview(arr).cast("B")
+    view = arr.data.cast("B")
     for t in range(arr.size):
         h.update(view[4 * t: 4 * t + 4])
         out.append(ChunkHash(h.copy().digest()))
@@ -141,6 +141,11 @@ def sequence_key(namespace: Namespace, tokens: Sequence[int] | np.ndarray) -> Ch
     h.update(arr.size.to_bytes(8, "little"))
     h.update(arr.data)
     return ChunkHash(h.digest())
+
+
+def namespace_prefix(namespace: Namespace) -> bytes:
+    """What every storage key of a namespace starts with: ``kvtier:{ns}:``."""
+    return f"kvtier:{namespace.id}:".encode()
 
 
 def chunk_key(namespace: Namespace, chunk_hash: bytes) -> bytes:
@@ -187,3 +192,12 @@ def glob_prefix(prefix: bytes) -> bytes:
 def events_channel(namespace: Namespace) -> str:
     """Pub/sub channel of a namespace: ``kvtier:{ns}:events``."""
     return f"kvtier:{namespace.id}:events"
+
+
+def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """Length of the common prefix of two int32 token arrays (vectorised)."""
+    n = min(a.size, b.size)
+    if n == 0:
+        return 0
+    diff = np.flatnonzero(a[:n] != b[:n])
+    return int(diff[0]) if diff.size else n

@@ -6,7 +6,7 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -330,15 +330,31 @@ class TieredStore:
         await self.put_raw(key, blob, announce=announce)
         return key
 
+    async def store_tails(self, namespace: Namespace, items: Sequence[tuple[ChunkHash, bytes, int]]) -> list[bytes]:
+        """Store several values under partial-tail keys at once, each given as (tail hash, payload,
+        token count); one write per tier, one background job. Returns their keys."""
+        ns_id = namespace.digest[:8]
+        blobs = {tail_key(namespace, h): self.codec.encode(payload, chunk_hash=h, namespace_id=ns_id, n_tokens=n,
+                                                           flags=Flags.TAIL)
+                 for h, payload, n in items}
+        if blobs:
+            await self.put_raw_many(blobs)
+        return list(blobs)
+
     async def put_raw(self, key: bytes, blob: bytes, *, announce: Announce | None = None) -> None:
         """Write one already encoded value to every tier (sync tiers now, background queued)."""
+        await self.put_raw_many({key: blob}, announce=announce)
+
+    async def put_raw_many(self, blobs: Mapping[bytes, bytes], *, announce: Announce | None = None) -> None:
+        """Write already encoded values to every tier (sync tiers now, background queued)."""
         for tier in self._sync:
             try:
-                await tier.put_many({key: blob})
+                await tier.put_many(blobs)
             except Exception:
                 log.warning("put on tier %s failed", tier.name, exc_info=True)
         if self._background:
-            self._enqueue(_Job([key], lambda i: blob, announce=announce))
+            keys = list(blobs)
+            self._enqueue(_Job(keys, lambda i: blobs[keys[i]], announce=announce))
 
     async def store_whole(self, namespace: Namespace, tokens: Sequence[int], payload: bytes | memoryview) -> bytes:
         """Store an unsplittable state under the key of its exact token sequence."""
@@ -359,13 +375,15 @@ class TieredStore:
             try:
                 got = (await tier.get_many([key])).get(key)
             except Exception:
+                log.warning("get on tier %s failed", tier.name, exc_info=True)
                 continue
             if got is None:
                 continue
             try:
                 return self.codec.decode(got, chunk_hash=value_hash, namespace_id=namespace.digest[:8]).payload
-            except CodecError:
+            except CodecError as exc:
                 self.counters.corrupt += 1
+                log.warning("damaged value %s in tier %s: %s (deleted)", key.decode(errors="replace"), tier.name, exc)
                 try:
                     await tier.delete([key])
                 except Exception:
@@ -384,6 +402,7 @@ class TieredStore:
             try:
                 present = await tier.contains_many(keys)
             except Exception:
+                log.warning("contains on tier %s failed", tier.name, exc_info=True)
                 continue
             wanted = [k for k, ok in zip(keys, present) if not ok]
             for source in self._background:

@@ -1,0 +1,294 @@
+"""The engine-independent KV flows, written once for every engine kvtier serves.
+
+The sidecar (llama-server slots) and the llama-cpp-python cache (an in-process context) differ in
+how they read and write a sequence state; what they do with one is the same, and lives here:
+
+- ``restorable_tokens``: how much of a prompt may come from the tiers (one token is always left to
+  compute, so sampling starts from fresh logits; never more than the context holds);
+- ``find_prefix`` / ``fetch_prefix``: the longest stored prefix of a prompt, whole chunks and then
+  the partial tail a saved state held after its last chunk, looked up and fetched with the tail
+  beside the chunks;
+- ``store_state``: a saved state's new chunks (split lazily, only those some tier lacks), its
+  partial tail, the replaced tail deleted, peers told once Redis holds them;
+- prefix references: a prompt that shares only the start of a stored chunk (or tail), say a
+  system prompt that ends mid-chunk, restores those cells too, to within ``REF_STEP`` tokens.
+  Beside each new chunk and tail, small references are stored under the partial-tail keys of its
+  first 16, 32, ... tokens, each naming the value and a cell count; attention is causal, so the
+  first cells of a stored value are exactly what a prompt sharing only those tokens computes;
+- ``save_session``: a state as a named session (chunks, tail, manifest), announced.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from tiers.errors import KVTierError
+from tiers.keys import (
+    ChunkHash,
+    Namespace,
+    chunk_key,
+    common_prefix,
+    events_channel,
+    namespace_prefix,
+    prefix_chain,
+    tail_hash_after,
+    tail_hashes,
+)
+from tiers.sessions import Manifest, SessionError, SessionStore
+from tiers.store import Announce, FetchResult, LookupResult, StoreResult, TailHit, TieredStore
+
+from .chunks import first_cells, read_chunk_header, split_state
+from .statefile import SeqState
+
+log = logging.getLogger("kvtier.flow")
+
+REF_STEP = 16  # tokens between prefix references into a stored chunk or tail
+REF_MAGIC = b"KVRF"  # a reference payload (a chunk payload starts with b"KVSC")
+_REF = struct.Struct("<4sI16s")  # magic, cells, the value's hash; then the value's key
+
+
+class Publisher(Protocol):
+    """What the flows tell peers (the event bus of ``tiers``)."""
+
+    async def publish_chunks_stored(self, channel: str, keys: Sequence[bytes]) -> int: ...
+
+    async def publish_session_saved(self, channel: str, session: str, **fields: object) -> int: ...
+
+
+def restorable_tokens(n_prompt: int, n_ctx: int = 0) -> int:
+    """Tokens of an ``n_prompt``-token prompt a restore may provide: all but the last (its logits
+    must be computed), and at most ``n_ctx - 1`` when the context holds ``n_ctx`` (0: no limit)."""
+    limit = n_prompt - 1
+    if n_ctx > 0:
+        limit = min(limit, n_ctx - 1)
+    return max(limit, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixFound:
+    """The longest prefix of a prompt the tiers hold: whole chunks, then maybe a partial tail."""
+
+    chunks: LookupResult
+    tail: TailHit | None
+
+    @property
+    def n_tokens(self) -> int:
+        return self.chunks.matched_tokens + (self.tail.n_tokens if self.tail else 0)
+
+    def bytes_by_tier(self, chunk_tokens: int, bytes_per_token: int) -> dict[str, int]:
+        """KV bytes a restore would read from each tier (the cost model's input)."""
+        out: dict[str, int] = {}
+        for tier in self.chunks.tiers:
+            out[tier] = out.get(tier, 0) + chunk_tokens * bytes_per_token
+        if self.tail is not None:
+            out[self.tail.tier] = out.get(self.tail.tier, 0) + self.tail.n_tokens * bytes_per_token
+        return out
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixFetched:
+    """Verified payloads of a found prefix, in order (chunks, then the tail when it was intact)."""
+
+    payloads: list[bytes | memoryview]
+    n_tokens: int
+    tiers: frozenset[str]
+    chunks: FetchResult  # for a later promotion into faster tiers and the cost model's fetch rates
+    tail: TailHit | None  # None when there was none, or it was gone or damaged
+
+
+async def find_prefix(store: TieredStore, namespace: Namespace, tokens: np.ndarray, *,
+                      n_ctx: int = 0) -> PrefixFound:
+    """The longest prefix of ``tokens`` the tiers hold, within ``restorable_tokens``."""
+    C = namespace.chunk_tokens
+    limit = restorable_tokens(int(tokens.size), n_ctx)
+    chain = prefix_chain(namespace, tokens, limit // C)
+    found = await store.lookup_chain(namespace, chain) if chain else LookupResult(0, [], [])
+    tail = None
+    room = min(C - 1, limit - found.matched_tokens)
+    if room > 0:
+        start = found.matched_tokens
+        parent = found.chunks[-1] if found.n_chunks else namespace.digest
+        tail = await store.lookup_tail(namespace, parent, tokens[start: start + room])
+    return PrefixFound(found, tail)
+
+
+async def fetch_prefix(store: TieredStore, namespace: Namespace, found: PrefixFound, *,
+                       promote: bool = False) -> PrefixFetched:
+    """Fetch ``found``'s chunks and, beside them, its tail. A tail after a chunk that is gone or
+    damaged is left out (it continues that chunk, not the shorter prefix)."""
+    tail = found.tail
+    fetched, tail_payload = await store.fetch_with_tail(
+        namespace, found.chunks.chunks, (tail.key, tail.hash) if tail is not None else None, promote=promote)
+    payloads = list(fetched.payloads)
+    n_tokens = fetched.n_tokens
+    tiers = set(fetched.tiers)
+    if tail is not None and tail_payload is not None and bytes(tail_payload[:4]) == REF_MAGIC:
+        tail_payload = await _resolve_ref(store, namespace, tail_payload, tail.n_tokens)
+        restored_tail = None  # the value a reference names is no tail of the context it is restored into
+    else:
+        restored_tail = tail
+    if tail is None or tail_payload is None or fetched.n_chunks < found.chunks.n_chunks:
+        return PrefixFetched(payloads, n_tokens, frozenset(tiers), fetched, None)
+    payloads.append(tail_payload)
+    tiers.add(tail.tier)
+    return PrefixFetched(payloads, n_tokens + tail.n_tokens, frozenset(tiers), fetched, restored_tail)
+
+
+def _ref_payload(key: bytes, value_hash: bytes, n_cells: int) -> bytes:
+    return _REF.pack(REF_MAGIC, n_cells, value_hash) + key
+
+
+async def _resolve_ref(store: TieredStore, namespace: Namespace, ref: bytes | memoryview,
+                       n_cells: int) -> bytes | memoryview | None:
+    """The first ``n_cells`` cells of the value a reference names; None when it is gone, damaged,
+    or the reference does not hold together (a foreign namespace, another cell count)."""
+    raw = bytes(ref)
+    if len(raw) <= _REF.size:
+        return None
+    _, cells, value_hash, key = *_REF.unpack_from(raw), raw[_REF.size:]
+    if cells != n_cells or not key.startswith(namespace_prefix(namespace)):
+        return None
+    value = await store.get_verified(key, value_hash, namespace)
+    if value is None:
+        return None
+    try:
+        cut = first_cells(value, n_cells)
+    except (ValueError, KVTierError) as exc:
+        log.warning("a prefix reference names a value that cannot hold %d cells: %s", n_cells, exc)
+        return None
+    return cut if read_chunk_header(cut).n_cells == n_cells else None
+
+
+def prefix_refs(parent: bytes, tokens: np.ndarray, key: bytes, value_hash: bytes
+                ) -> list[tuple[ChunkHash, bytes, int]]:
+    """References to the first 16, 32, ... cells of a stored value (a chunk or tail after
+    ``parent`` holding ``tokens``), as ``TieredStore.store_tails`` takes them."""
+    hashes = tail_hashes(parent, tokens[: max(int(tokens.size) - 1, 0)])
+    return [(hashes[n - 1], _ref_payload(key, value_hash, n), n) for n in range(REF_STEP, len(hashes) + 1, REF_STEP)]
+
+
+@dataclass(frozen=True, slots=True)
+class TailRecord:
+    """The partial tail a context stored or restored last: its key and the token count it ends at."""
+
+    key: bytes
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoredState:
+    """What ``store_state`` did: the chunks' result, and the tail the context now answers for."""
+
+    chunks: StoreResult | None  # None when the state holds no full chunk
+    tail: TailRecord | None
+    tail_stored: bool = False
+    tail_deleted: bool = False
+    tail_error: Exception | None = None  # the tail failed; the chunks stand
+
+
+class LazyChunks:
+    """``payloads(i)`` for ``TieredStore.store``: chunks are cut only when a tier lacks them (a
+    prefix shared by many states is split once, when it is new)."""
+
+    def __init__(self, state: SeqState, chunk_tokens: int):
+        self.state = state
+        self.chunk_tokens = chunk_tokens
+        self._cut: dict[int, memoryview] = {}
+
+    @property
+    def cut(self) -> list[int]:
+        """The chunks cut so far: those some tier lacked."""
+        return sorted(self._cut)
+
+    def __call__(self, i: int) -> memoryview:
+        if i not in self._cut:
+            split = split_state(self.state, self.chunk_tokens, first_chunk=i)
+            self._cut.update({split.first_chunk + j: p for j, p in enumerate(split.chunks)})
+        return self._cut[i]
+
+
+def announcer(events: Publisher | None, namespace: Namespace) -> Announce | None:
+    """An ``announce`` for ``TieredStore.store``: peers (pre-warming) hear of chunks once Redis
+    holds them. Publishing is best-effort."""
+    if events is None:
+        return None
+    channel = events_channel(namespace)
+
+    async def announce(keys: list[bytes]) -> None:
+        try:
+            await events.publish_chunks_stored(channel, keys)
+        except Exception as exc:
+            log.debug("publishing an event failed: %s", exc)
+
+    return announce
+
+
+async def store_state(store: TieredStore, namespace: Namespace, state: SeqState, *,
+                      events: Publisher | None = None, previous: TailRecord | None = None,
+                      previous_tokens: np.ndarray | None = None) -> StoredState:
+    """Store a saved (splittable) state: its new chunks, then the cells after its last full chunk.
+
+    The tail lets a prompt that continues this state on another node restore it whole instead of
+    recomputing up to a chunk's worth. ``previous`` is the tail this context stored or restored
+    before, and ``previous_tokens`` what it held then: once this state holds all of that tail and
+    more, the old tail is deleted (nothing continues it any more but this state). A failed tail is
+    reported in the result; the chunks stand.
+    """
+    C = namespace.chunk_tokens
+    tokens = state.tokens.tokens
+    chain = prefix_chain(namespace, tokens)
+    announce = announcer(events, namespace)
+    lazy = LazyChunks(state, C)
+    chunks = await store.store(namespace, chain, lazy, announce=announce) if chain else None
+    start = len(chain) * C
+    new = None
+    try:
+        parents = [namespace.digest, *chain]
+        refs = [ref for i in lazy.cut for ref in prefix_refs(
+            parents[i], tokens[i * C: (i + 1) * C], chunk_key(namespace, chain[i]), chain[i])]
+        if chain and tokens.size > start:
+            tail = split_state(state, C, first_chunk=len(chain), tail=True).tail
+            assert tail is not None
+            key = await store.store_tail(namespace, parents[-1], tokens[start:], tail, announce=announce)
+            new = TailRecord(key, int(tokens.size))
+            refs += prefix_refs(parents[-1], tokens[start:], key, tail_hash_after(parents[-1], tokens[start:]))
+        await store.store_tails(namespace, refs)
+        deleted = False
+        if (previous is not None and previous_tokens is not None and (new is None or previous.key != new.key)
+                and tokens.size > previous.end and common_prefix(previous_tokens, tokens) >= previous.end):
+            await store.delete_everywhere([previous.key])
+            deleted = True
+    except Exception as exc:
+        return StoredState(chunks, new, tail_stored=new is not None, tail_error=exc)
+    return StoredState(chunks, new, tail_stored=new is not None, tail_deleted=deleted)
+
+
+async def save_session(sessions: SessionStore, namespace: Namespace, session_id: str, state: SeqState, *,
+                       node: str, events: Publisher | None = None) -> Manifest:
+    """Store ``state`` as session ``session_id`` (chunks, partial tail, manifest) and announce it.
+
+    Raises:
+        ValueError: a bad session id. SessionError / KVTierError: the state cannot be split, or the
+            store failed.
+    """
+    if not state.splittable:
+        raise SessionError(f"this state cannot be split into chunks ({state.split_reason})")
+    tokens = state.tokens.tokens
+    split = split_state(state, namespace.chunk_tokens, tail=True)
+    manifest = await sessions.save(
+        namespace, session_id, tokens, lambda i: split.chunks[i], split.tail,
+        node=node, kv_bytes=int(tokens.size) * split.layout.bytes_per_token,
+    )
+    if events is not None:
+        try:
+            await events.publish_session_saved(events_channel(namespace), session_id, tokens=int(tokens.size))
+        except Exception as exc:
+            log.debug("publishing an event failed: %s", exc)
+    return manifest
+

@@ -1,0 +1,60 @@
+"""Restore or recompute: what the tiers hold of a prompt, and whether fetching it beats computing it."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from integrations.kvflow import PrefixFound, find_prefix, restorable_tokens
+from tiers.keys import Namespace, common_prefix
+from tiers.sessions import Manifest
+from tiers.store import TieredStore
+
+from .costmodel import CostModel
+from .metrics import Metrics
+from .watcher import Target
+
+log = logging.getLogger("kvtier.engine")
+
+
+class RestorePlanner:
+    """Looks up the longest stored prefix of a prompt and asks the cost model whether to restore it."""
+
+    def __init__(self, store: TieredStore, cost: CostModel, metrics: Metrics):
+        self.store = store
+        self.cost = cost
+        self.metrics = metrics
+
+    async def plan(self, namespace: Namespace, tokens: np.ndarray, cached: int, target: Target,
+                   slot: int) -> PrefixFound | None:
+        """The prefix worth restoring into a slot that holds ``cached`` tokens of ``tokens``, or None."""
+        C = namespace.chunk_tokens
+        if restorable_tokens(int(tokens.size), target.n_ctx_slot) // C * C <= cached:
+            return None  # the slot holds every full chunk a restore could bring
+        found = await find_prefix(self.store, namespace, tokens, n_ctx=target.n_ctx_slot)
+        gain = found.n_tokens - cached
+        if gain <= 0:
+            return None
+        if not self._decide(gain, found.bytes_by_tier(C, target.bytes_per_token), slot):
+            return None
+        return found
+
+    def session_worth(self, manifest: Manifest, tokens: np.ndarray, cached: int, target: Target,
+                      tier: str, slot: int) -> bool:
+        """Whether to restore session ``manifest`` for a prompt: it must be a prefix of ``tokens``,
+        longer than what the slot holds, shorter than the prompt, and faster to restore (from
+        ``tier``) than to compute."""
+        m_tokens = manifest.tokens
+        if not (cached < m_tokens.size < tokens.size and common_prefix(m_tokens, tokens) == m_tokens.size):
+            return False
+        gain = int(m_tokens.size) - cached
+        return self._decide(gain, {tier: gain * target.bytes_per_token}, slot)
+
+    def _decide(self, gain: int, bytes_by_tier: dict[str, int], slot: int) -> bool:
+        decision = self.cost.decide(gain, bytes_by_tier)
+        self.metrics.decisions.labels("restore" if decision.restore else "recompute").inc()
+        if not decision.restore:
+            log.info("slot %d: recompute %d tokens (%s: %.0f ms vs %.0f ms)", slot, gain, decision.reason,
+                     decision.predicted_recompute_s * 1e3, decision.predicted_restore_s * 1e3)
+        return decision.restore

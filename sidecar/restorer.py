@@ -1,0 +1,116 @@
+"""Restores: fetch a planned prefix (or a session), lay it out as a state file, load it into a slot."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from integrations.chunks import state_pieces
+from integrations.kvflow import PrefixFound, TailRecord, fetch_prefix
+from tiers.keys import Namespace
+from tiers.sessions import Manifest, SessionStore
+from tiers.store import FetchResult, TieredStore
+
+from .costmodel import CostModel
+from .metrics import Metrics
+from .slotfiles import SlotFiles
+from .watcher import Target
+
+log = logging.getLogger("kvtier.engine")
+
+
+@dataclass(frozen=True, slots=True)
+class Restored:
+    """What a restore put into a slot."""
+
+    n_tokens: int
+    tier: str  # the slowest tier it read from
+    ms: float
+    fetched: FetchResult | None = None  # chunks found below the fastest tier: promoted after the answer
+    tail: TailRecord | None = None  # the automatic tail it restored
+
+
+class RestoreWriter:
+    """Fetches payloads and has llama-server load them into a slot; teaches the cost model the rates."""
+
+    def __init__(self, store: TieredStore, sessions: SessionStore, files: SlotFiles, cost: CostModel,
+                 metrics: Metrics):
+        self.store = store
+        self.sessions = sessions
+        self.files = files
+        self.cost = cost
+        self.metrics = metrics
+
+    async def restore_prefix(self, slot: int, namespace: Namespace, found: PrefixFound, tokens: np.ndarray,
+                             cached: int, target: Target) -> Restored | None:
+        """Fetch ``found`` and load it into ``slot``; None when less than ``cached`` tokens arrived."""
+        t0 = time.perf_counter()
+        got = await fetch_prefix(self.store, namespace, found)
+        if got.n_tokens <= cached:
+            self.metrics.restores.labels("none", "miss").inc()
+            return None
+        self.metrics.restore_phase_seconds.labels("fetch").observe(time.perf_counter() - t0)
+        chunks = got.chunks
+        for tier in set(chunks.tiers):
+            share = chunks.tiers.count(tier) / max(chunks.n_chunks, 1)
+            self.cost.observe_fetch(tier, int(chunks.bytes_read * share), chunks.seconds * share)
+        nbytes, restore_s = await self.load(slot, got.payloads, tokens, target)
+        self.cost.observe_restore(nbytes, restore_s)
+        if got.tail is not None:
+            self.metrics.tails.labels("restored").inc()
+        order = [t.name for t in self.store.tiers]
+        done = Restored(got.n_tokens, max(got.tiers, key=order.index), (time.perf_counter() - t0) * 1000,
+                        chunks, TailRecord(got.tail.key, got.n_tokens) if got.tail is not None else None)
+        self._count(done, nbytes, cached)
+        log.info("slot %d: restored %d tokens from %s in %.1f ms", slot, done.n_tokens, done.tier, done.ms)
+        return done
+
+    async def restore_session(self, slot: int, namespace: Namespace, manifest: Manifest, target: Target,
+                              cached: int = 0) -> Restored:
+        """Restore a whole session (chunks and tail) into ``slot``.
+
+        Raises:
+            SessionIncomplete: a chunk or the tail is gone. LlamaServerError: the restore was refused.
+        """
+        t0 = time.perf_counter()
+        payloads, tier = await self.sessions.fetch(namespace, manifest)
+        self.metrics.restore_phase_seconds.labels("fetch").observe(time.perf_counter() - t0)
+        nbytes, _ = await self.load(slot, payloads, manifest.tokens, target)
+        done = Restored(int(manifest.tokens.size), tier or "memory", (time.perf_counter() - t0) * 1000)
+        self._count(done, nbytes, cached)
+        return done
+
+    async def load(self, slot: int, payloads: Sequence[bytes | memoryview], tokens: np.ndarray,
+                   target: Target) -> tuple[int, float]:
+        """Assemble ``payloads`` into a state file and have llama-server restore it into ``slot``.
+
+        Returns the file's size and the seconds from payloads to restored slot (the cost model's
+        restore rate: everything but the fetch and any wait in llama-server's task queue).
+        """
+        t0 = time.perf_counter()
+        # The file as a list of slices of the payloads (and of transposed V blocks, for a server
+        # without flash attention), written without joining them; off the event loop, as a
+        # transposition copies half the state.
+        pieces = await asyncio.to_thread(state_pieces, payloads, tokens, v_trans=target.v_trans,
+                                         n_stream=target.n_stream)
+        assemble_s = time.perf_counter() - t0
+        io = await self.files.restore(slot, pieces)
+        phases = self.metrics.restore_phase_seconds
+        phases.labels("assemble").observe(assemble_s)
+        phases.labels("write").observe(io.write_s)
+        phases.labels("llama").observe(io.waited_s)
+        # The cost model learns the restore's own time: llama-server's restore_ms, not the wait in
+        # its queue behind other slots' work (seconds under load, which would teach it that
+        # restoring is slow and make it stop restoring).
+        return io.nbytes, assemble_s + io.write_s + io.llama_s
+
+    def _count(self, done: Restored, nbytes: int, cached: int) -> None:
+        self.metrics.restores.labels(done.tier, "ok").inc()
+        self.metrics.restore_seconds.observe(done.ms / 1000)
+        self.metrics.bytes_restored.inc(nbytes)
+        self.metrics.tokens_restored.inc(done.n_tokens - cached)

@@ -1,0 +1,73 @@
+"""Saves: read a slot's state after an answer and store what no tier holds yet (chunks, tail, session)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from integrations.kvflow import Publisher, save_session, store_state
+from integrations.statefile import SeqState
+from tiers.keys import Namespace
+from tiers.sessions import Manifest, SessionStore
+from tiers.store import TieredStore
+
+from .metrics import Metrics
+from .slotfiles import SlotFiles
+from .slots import SlotTable
+
+log = logging.getLogger("kvtier.engine")
+
+
+class Saver:
+    """Saves slots into the tiers (the flows of ``integrations.kvflow``) and keeps the slot table true."""
+
+    def __init__(self, store: TieredStore, sessions: SessionStore, files: SlotFiles, metrics: Metrics, *,
+                 node_id: str, events: Publisher | None = None):
+        self.store = store
+        self.sessions = sessions
+        self.files = files
+        self.metrics = metrics
+        self.node_id = node_id
+        self.events = events
+        self._warned_unsplittable = False
+
+    async def save_slot(self, table: SlotTable, slot: int, namespace: Namespace, *, owner: str = "") -> SeqState:
+        """Save ``slot``, store its new chunks and its partial tail, and record what it holds."""
+        t0 = time.perf_counter()
+        state = await self.files.save(slot, "save")
+        tokens = state.tokens.tokens
+        record = table.slots[slot]
+        previous = record.tokens
+        table.set_tokens(slot, tokens.copy(), owner=owner)
+        if state.splittable:
+            stored = await store_state(self.store, namespace, state, events=self.events, previous=record.tail,
+                                       previous_tokens=previous)
+            if stored.chunks is not None:
+                self.metrics.bytes_saved.inc(stored.chunks.bytes_encoded)
+            if stored.tail_error is not None:  # the chunks are stored: a hop recomputes the tail, no more
+                self.metrics.cache_errors.labels("save").inc()
+                log.warning("storing slot %d's partial tail failed: %s", slot, stored.tail_error)
+            if stored.tail_error is None or stored.tail_stored:
+                record.tail = stored.tail
+            if stored.tail_stored:
+                self.metrics.tails.labels("stored").inc()
+            if stored.tail_deleted:
+                self.metrics.tails.labels("deleted").inc()
+        elif state.n_tokens and not self._warned_unsplittable:
+            # Prefix restore needs chunks; such states are kept only by explicit session saves.
+            self._warned_unsplittable = True
+            log.warning("slot states cannot be split into prefix chunks (%s): automatic restore is off",
+                        state.split_reason)
+        self.metrics.save_seconds.observe(time.perf_counter() - t0)
+        return state
+
+    async def save_session(self, table: SlotTable, slot: int, namespace: Namespace, session_id: str, *,
+                           owner: str = "") -> Manifest:
+        """Save ``slot`` as session ``session_id``: its chunks, its partial tail, its manifest."""
+        t0 = time.perf_counter()
+        state = await self.files.save(slot, "session")
+        table.set_tokens(slot, state.tokens.tokens.copy(), owner=owner)
+        manifest = await save_session(self.sessions, namespace, session_id, state, node=self.node_id,
+                                      events=self.events)
+        self.metrics.save_seconds.observe(time.perf_counter() - t0)
+        return manifest

@@ -1,0 +1,113 @@
+"""The slot directory: the state files kvtier has llama-server save and restore.
+
+llama-server reads and writes sequence-state files only by name, inside its ``--slot-save-path``;
+the sidecar shares that directory (ideally on tmpfs). Every name kvtier uses starts with
+``FILE_PREFIX`` and never comes from a client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from integrations.chunks import write_pieces
+from integrations.llama_server import LlamaServerClient
+from integrations.statefile import SeqState, parse_state
+from tiers.errors import KVTierError
+
+FILE_PREFIX = "kvtier-"  # every file kvtier writes into the slot dir; names never come from clients
+
+
+def _read_and_remove(path: Path) -> bytes:
+    """A saved slot file's bytes; the file is removed in the same thread (freeing a large file's
+    pages takes milliseconds, which the event loop would otherwise wait for)."""
+    try:
+        return path.read_bytes()
+    finally:
+        path.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreIO:
+    """One restore file written and loaded: its size and the time of each step."""
+
+    nbytes: int
+    write_s: float  # writing the file
+    llama_s: float  # the restore call, as llama-server measured it (else as waited for)
+    waited_s: float  # the restore call as the sidecar waited for it (llama-server's queue included)
+
+
+class SlotFiles:
+    """Saves a slot into the slot dir and reads it back; writes restore files and restores them.
+
+    Args:
+        client: the llama-server the directory belongs to.
+        slot_dir: the directory llama-server was given as ``--slot-save-path``.
+        keep_bytes: restore files left in the directory for the slot's next restore (bytes).
+    """
+
+    def __init__(self, client: LlamaServerClient, slot_dir: Path, keep_bytes: int):
+        self.client = client
+        self.slot_dir = slot_dir
+        self.keep_bytes = keep_bytes
+        self._kept: dict[int, int] = {}  # slot -> bytes of its restore file left in the slot dir
+        self._locks: dict[int, asyncio.Lock] = {}
+
+    async def save(self, slot: int, purpose: str) -> SeqState:
+        """Have llama-server save ``slot`` and parse what it wrote (the file is removed).
+
+        Raises:
+            KVTierError: the file is not where it should be (the slot dir is not llama-server's).
+            StateFormatError / LlamaServerError: a state kvtier cannot read, a refused save.
+        """
+        name = f"{FILE_PREFIX}{purpose}-{slot}-{uuid.uuid4().hex[:12]}.bin"
+        path = self.slot_dir / name
+        try:
+            await self.client.save_slot(slot, name)
+            try:
+                data = await asyncio.to_thread(_read_and_remove, path)
+            except FileNotFoundError:
+                raise KVTierError(
+                    f"llama-server saved slot {slot} but {path} does not exist: --slot-dir must be the "
+                    "directory llama-server was given as --slot-save-path"
+                ) from None
+            return parse_state(data)
+        finally:
+            path.unlink(missing_ok=True)  # when saving or reading failed (else already gone: cheap)
+
+    async def restore(self, slot: int, pieces: Sequence[bytes | memoryview]) -> RestoreIO:
+        """Write ``pieces`` as ``slot``'s restore file and have llama-server restore it."""
+        # One file per slot, overwritten in place by the slot's next restore: writing into pages the
+        # slot dir holds already is about twice as fast on tmpfs as a new file (whose pages the
+        # kernel must allocate and zero; on some VMs first-touched pages cost ~10 us each, 300 ms
+        # for a 94 MB state). Kept only within keep_bytes, and never written by two restores at once.
+        name = f"{FILE_PREFIX}restore-{slot}.bin"
+        path = self.slot_dir / name
+        kept = False
+        async with self._locks.setdefault(slot, asyncio.Lock()):
+            try:
+                t0 = time.perf_counter()
+                nbytes = await asyncio.to_thread(write_pieces, path, pieces, overwrite=True)
+                t1 = time.perf_counter()
+                action = await self.client.restore_slot(slot, name)
+                t2 = time.perf_counter()
+                others = sum(n for s, n in self._kept.items() if s != slot)
+                kept = others + nbytes <= self.keep_bytes
+            finally:
+                if kept:
+                    self._kept[slot] = nbytes
+                else:
+                    self._kept.pop(slot, None)
+                    path.unlink(missing_ok=True)
+        llama_s = action.ms / 1000 if action.ms > 0 else t2 - t1
+        return RestoreIO(nbytes, t1 - t0, min(llama_s, t2 - t1), t2 - t1)
+
+    def remove_kept(self) -> None:
+        """Remove the restore files kept for the next restores (at shutdown)."""
+        for slot in list(self._kept):
+            (self.slot_dir / f"{FILE_PREFIX}restore-{slot}.bin").unlink(missing_ok=True)
+        self._kept.clear()

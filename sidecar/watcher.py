@@ -1,0 +1,202 @@
+"""What kvtier knows of its llama-server: the slots, the KV layout, the model's identity.
+
+``ServerWatcher.probe`` learns them (at start-up, and again after llama-server changed);
+``check_server`` notices a server that restarted or changed under a running sidecar, and slots
+that were used without kvtier.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from integrations.fingerprint import layout_fingerprint, model_identity
+from integrations.llama_server import LlamaServerClient, LlamaServerError
+from integrations.statefile import SeqState
+from tiers.errors import KVTierError
+from tiers.keys import Namespace
+
+from .config import Settings
+from .prompts import PromptTokens
+from .slotfiles import SlotFiles
+from .slots import SlotTable
+
+log = logging.getLogger("kvtier.engine")
+
+
+def _signature(props: Mapping[str, Any]) -> tuple[str, ...]:
+    """What must stay the same for the learned namespace and slot table to stay valid."""
+    return tuple(str(props.get(k, "")) for k in ("model_path", "build_info", "total_slots", "model_ftype"))
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What kvtier learned about its llama-server at start-up (or after it restarted)."""
+
+    n_slots: int
+    n_stream: int
+    v_trans: bool
+    model_id: str
+    namespace: Namespace
+    bytes_per_token: int
+    n_ctx_slot: int
+
+    def namespace_for(self, salt: str) -> Namespace:
+        """The namespace of a tenant (its salt), or the server's own for none."""
+        return self.namespace.salted(salt) if salt else self.namespace
+
+
+class ServerWatcher:
+    """Learns the llama-server (``target``) and what its slots hold (``slots``), and keeps both true."""
+
+    def __init__(self, settings: Settings, client: LlamaServerClient, files: SlotFiles, prompts: PromptTokens):
+        self.settings = settings
+        self.client = client
+        self.files = files
+        self.prompts = prompts
+        self.target: Target | None = None
+        self.slots: SlotTable | None = None
+        self.last_error = ""
+        self._signature: tuple[str, ...] = ()
+        self._lock = asyncio.Lock()
+
+    async def ensure_ready(self) -> bool:
+        """Probe llama-server if not done yet; False while it cannot be probed."""
+        if self.target is not None:
+            return True
+        async with self._lock:
+            if self.target is not None:
+                return True
+            try:
+                await self.probe()
+            except (KVTierError, OSError, ValueError) as exc:
+                self.last_error = str(exc)
+                log.warning("llama-server not ready for caching: %s", exc)
+                return False
+        return True
+
+    async def probe(self) -> None:
+        """Learn slots, n_stream, V layout and KV layout; build a new slot table.
+
+        Saves each slot once (an empty slot's file is a few dozen bytes and tells ``n_stream``; a
+        full one also tells the layout and what the slot holds). When every slot is empty, one
+        1-token completion fills slot 0 so the layout can be read, and the slot is erased again.
+        Checks on the way that the slot dir is the directory llama-server writes to.
+        """
+        props = await self.client.props()
+        n_slots = int(props.get("total_slots") or 0)
+        if n_slots <= 0:
+            raise LlamaServerError("llama-server reports no slots")
+        model_path = str(props.get("model_path") or "")
+        model_id = self._model_id(model_path, props)
+        table = SlotTable(n_slots)
+        layout_state: SeqState | None = None
+        n_stream = 0
+        for slot in range(n_slots):
+            state = await self.files.save(slot, "probe")
+            n_stream = state.n_stream or n_stream
+            if state.layout is not None:
+                layout_state = layout_state or state
+                if state.splittable:
+                    table.set_tokens(slot, state.tokens.tokens.copy())
+        if layout_state is None:
+            await self.client.completion({"prompt": "kvtier", "n_predict": 1, "id_slot": 0, "cache_prompt": True,
+                                          "temperature": 0})
+            layout_state = await self.files.save(0, "probe")
+            await self.client.erase_slot(0)
+        layout = layout_state.layout
+        if layout is None or layout_state.v_trans is None:
+            raise LlamaServerError("could not learn the KV layout from a saved slot")
+        ns = Namespace(layout_fingerprint(model_id, layout), chunk_tokens=self.settings.chunk_tokens)
+        n_ctx = int(props.get("default_generation_settings", {}).get("n_ctx") or 0)
+        await self.prompts.setup(props, self.settings.model or model_path)
+        # No await from here on: a request that finds the target set must find the new slot table.
+        self.target = Target(n_slots, n_stream or 1, bool(layout_state.v_trans), model_id, ns,
+                             layout.bytes_per_token, n_ctx)
+        self._signature = _signature(props)
+        self.slots = table
+        log.info("llama-server: %d slots, n_stream %d, v_trans %s, %d bytes/token, namespace %s",
+                 n_slots, self.target.n_stream, self.target.v_trans, layout.bytes_per_token, ns.id)
+
+    def _model_id(self, model_path: str, props: Mapping[str, Any]) -> str:
+        if self.settings.model_id:
+            return "id:" + self.settings.model_id
+        path = self.settings.model or model_path
+        if path and os.path.isfile(path):
+            return model_identity(path)
+        # The sidecar cannot read the model file: fall back to what llama-server says of it. Two
+        # fine-tunes of one base with the same file name would collide, hence the warning.
+        log.warning("model file %r not readable here; identity from llama-server's metadata "
+                    "(set --model or --model-id to be exact)", path)
+        return "meta:" + "|".join(str(props.get(k, "")) for k in ("model_path", "model_ftype", "bos_token",
+                                                                  "eos_token", "chat_template"))
+
+    def forget(self) -> None:
+        """llama-server restarted: its slots are empty, and the layout must be learned again."""
+        self.target = None
+
+    async def check_server(self) -> None:
+        """Notice a llama-server that restarted or changed under us (the health watcher calls this).
+
+        Another model or build behind the same URL means another namespace: relearn everything. A
+        slot that is idle here but empty on the server lost its KV (a restart): forget what the
+        table thought it held, so nothing is skipped on the strength of a stale belief. A slot that
+        holds another count of tokens was used without kvtier (a client talking to llama-server
+        directly): read what it holds now, so that kvtier neither skips a restore it needs nor
+        restores a shorter prefix over a longer one.
+        """
+        table = self.slots
+        if self.target is None or table is None:
+            return
+        props = await self.client.props()
+        if _signature(props) != self._signature:
+            log.warning("llama-server changed (model, build or slots): relearning it")
+            self.forget()
+            return
+        lost = 0
+        for info in await self.client.slots():
+            slot_id = info.get("id")
+            if not isinstance(slot_id, int) or not 0 <= slot_id < table.n_slots:
+                continue
+            slot = table.slots[slot_id]
+            if slot.busy or info.get("is_processing"):
+                continue
+            held = info.get("n_prompt_tokens")
+            # A slot that never ran a task reports no count; one that did and now reports none
+            # belongs to a restarted server.
+            if held is None and not slot.served:
+                continue
+            if not held and slot.tokens.size:
+                table.forget(slot_id)
+                slot.served = False
+                lost += 1
+            elif held and int(held) != slot.tokens.size and slot.resynced != int(held):
+                # Once per count: should a state's token count ever differ from the server's own
+                # figure, this must not become a slot save every few seconds.
+                slot.resynced = int(held)
+                if await self._resync(table, slot_id):
+                    log.info("slot %d was used without kvtier: it now holds %d tokens", slot_id, int(held))
+        if lost:
+            log.info("%d slot(s) no longer hold what kvtier recorded (llama-server restarted?)", lost)
+
+    async def _resync(self, table: SlotTable, slot_id: int) -> bool:
+        """Learn what an idle slot holds from a save of it (its tokens are exact); False when busy."""
+        lease = table.try_acquire(slot_id)
+        if lease is None:
+            return False
+        with lease:
+            try:
+                state = await self.files.save(slot_id, "resync")
+            except (KVTierError, LlamaServerError, OSError) as exc:
+                log.info("slot %d: could not read what it holds (%s); forgetting it", slot_id, exc)
+                table.set_tokens(slot_id, np.zeros(0, np.int32))
+                return False
+            # Not any tenant's: a salted tenant sees it as foreign (erased before use).
+            table.set_tokens(slot_id, state.tokens.tokens.copy(), owner="")
+            return True

@@ -1,0 +1,235 @@
+"""The parts the engine is made of, each on its own: the shared KV flows (``integrations.kvflow``),
+the slot lease, the restore planner, and a request whose preparation is cancelled.
+
+Pure logic on synthetic states (``tests.test_statefile``'s reference encoder) and an in-process
+memory tier; the same parts meet real llama-servers in test_sidecar.py and test_llama_cpp_cache.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+
+from integrations import kvflow
+from integrations.chunks import assemble_state
+from integrations.statefile import parse_state
+from sidecar.config import Settings
+from sidecar.costmodel import CostModel
+from sidecar.engine import KVEngine
+from sidecar.metrics import Metrics
+from sidecar.planner import RestorePlanner
+from sidecar.prompts import Prompt
+from sidecar.slots import SlotTable
+from sidecar.watcher import Target
+from tests.test_statefile import logical, ref_file
+from tiers.codec import BlobCodec
+from tiers.keys import Namespace, prefix_chain, tail_hash_after, tail_key
+from tiers.memory import MemoryTier
+from tiers.sessions import SessionStore
+from tiers.store import TieredStore
+
+C = 64  # tokens per chunk in these tests
+NS = Namespace("f" * 32, chunk_tokens=C)
+
+
+def memory_store() -> TieredStore:
+    return TieredStore([MemoryTier(64 << 20)], BlobCodec("none"))
+
+
+def state_of(lg):  # type: ignore[no-untyped-def]
+    return parse_state(ref_file(lg))
+
+
+def test_restorable_tokens_leaves_one_to_compute_and_fits_the_context() -> None:
+    assert kvflow.restorable_tokens(100) == 99
+    assert kvflow.restorable_tokens(100, n_ctx=50) == 49
+    assert kvflow.restorable_tokens(0) == 0 and kvflow.restorable_tokens(1) == 0
+
+
+async def test_a_stored_state_is_found_and_fetched_whole_with_its_tail() -> None:
+    store = memory_store()
+    lg = logical(150, seed=1)  # two chunks and a 22-token tail
+    stored = await kvflow.store_state(store, NS, state_of(lg))
+    assert stored.chunks is not None and stored.chunks.chunks_total == 2 and stored.tail_stored
+    assert stored.tail is not None and stored.tail.end == 150
+    tokens = np.asarray(lg.tokens + [7, 8, 9], np.int32)  # the next prompt continues the state
+    found = await kvflow.find_prefix(store, NS, tokens)
+    assert found.chunks.matched_tokens == 128 and found.tail is not None and found.n_tokens == 150
+    assert found.bytes_by_tier(C, 10) == {"memory": 150 * 10}
+    got = await kvflow.fetch_prefix(store, NS, found)
+    assert got.n_tokens == 150 and got.tail is not None and got.tiers == frozenset({"memory"})
+    # The fetched payloads are the state's cells, byte for byte.
+    image = assemble_state(got.payloads, tokens, v_trans=False)
+    assert bytes(image) == ref_file(lg)
+    # One token is always left to compute: a prompt equal to the state gets the tail's first 16
+    # cells (a prefix reference), not the whole tail.
+    found_same = await kvflow.find_prefix(store, NS, np.asarray(lg.tokens, np.int32))
+    assert found_same.n_tokens == 128 + kvflow.REF_STEP
+
+
+async def test_a_tail_after_a_missing_chunk_is_not_restored() -> None:
+    store = memory_store()
+    lg = logical(150, seed=2)
+    await kvflow.store_state(store, NS, state_of(lg))
+    tokens = np.asarray(lg.tokens + [1], np.int32)
+    found = await kvflow.find_prefix(store, NS, tokens)
+    chain = prefix_chain(NS, tokens, 2)
+    await store.delete_everywhere([f"kvtier:{NS.id}:c:{chain[1].hex()}".encode()])  # chunk 1 is gone
+    got = await kvflow.fetch_prefix(store, NS, found)
+    assert got.n_tokens == C and got.tail is None and len(got.payloads) == 1
+
+
+async def test_the_tail_a_state_extends_is_deleted_and_one_it_leaves_is_kept() -> None:
+    store = memory_store()
+    lg = logical(300, seed=3)
+    first = await kvflow.store_state(store, NS, state_of(lg.prefix(150)))
+    assert first.tail is not None
+    # A state that diverges inside the old tail (another answer) keeps it: it still serves its prompt.
+    other = logical(300, seed=4)
+    fork = lg.prefix(140)
+    fork.tokens += other.tokens[140:170]
+    fork.pos += list(range(140, 170))
+    fork.seqs += [[0]] * 30
+    fork.k = [np.concatenate([a, b[140:170]]) for a, b in zip(fork.k, other.k)]
+    fork.v = [np.concatenate([a, b[140:170]]) for a, b in zip(fork.v, other.v)]
+    forked = await kvflow.store_state(store, NS, state_of(fork), previous=first.tail,
+                                      previous_tokens=np.asarray(lg.tokens[:150], np.int32))
+    assert not forked.tail_deleted and (await store.tiers[0].contains_many([first.tail.key])) == [True]
+    # A state holding all of the old tail and more makes it useless: deleted.
+    longer = await kvflow.store_state(store, NS, state_of(lg.prefix(200)), previous=first.tail,
+                                      previous_tokens=np.asarray(lg.tokens[:150], np.int32))
+    assert longer.tail_deleted and (await store.tiers[0].contains_many([first.tail.key])) == [False]
+    assert longer.tail is not None and longer.tail.end == 200
+    expected = tail_key(NS, tail_hash_after(prefix_chain(NS, lg.tokens[:192])[-1], lg.tokens[192:200]))
+    assert longer.tail.key == expected
+
+
+async def test_lease_is_bound_to_its_table_and_released_once() -> None:
+    old = SlotTable(1)
+    lease = await old.acquire(np.arange(3, dtype=np.int32))
+    new = SlotTable(1)  # llama-server restarted: the watcher built a new table
+    held = await new.acquire(np.arange(3, dtype=np.int32))
+    lease.release()
+    assert not old.slots[0].busy and new.slots[0].busy  # the new table's slot stays with its holder
+    lease.release()  # idempotent
+    assert new.try_acquire(0) is None
+    with held:
+        pass
+    assert not new.slots[0].busy and held.released
+
+
+async def test_a_waiter_that_gives_up_hands_its_slot_on() -> None:
+    table = SlotTable(1)
+    first = await table.acquire(np.arange(3, dtype=np.int32))
+    waiter = asyncio.create_task(table.acquire(np.arange(3, dtype=np.int32)))
+    await asyncio.sleep(0)
+    waiter.cancel()
+    first.release()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert not table.slots[0].busy and table.queue_depth == 0
+
+
+def target(n_ctx: int = 0, bytes_per_token: int = 23_040) -> Target:
+    return Target(1, 1, False, "m", NS, bytes_per_token, n_ctx)
+
+
+async def test_planner_restores_only_what_pays() -> None:
+    store = memory_store()
+    lg = logical(300, seed=5)
+    await kvflow.store_state(store, NS, state_of(lg))
+    tokens = np.asarray(lg.tokens + [1, 2], np.int32)
+    slow_prefill = RestorePlanner(store, CostModel(prefill_tps=50), Metrics())
+    found = await slow_prefill.plan(NS, tokens, 0, target(), slot=0)
+    assert found is not None and found.n_tokens == 300
+    # The slot already holds every full chunk a restore could bring: no lookup at all.
+    assert await slow_prefill.plan(NS, tokens, 256, target(), slot=0) is None
+    # A fast prefill (a GPU) recomputes 300 tokens rather than read 7 MB.
+    fast_prefill = RestorePlanner(store, CostModel(prefill_tps=1e6), Metrics())
+    assert await fast_prefill.plan(NS, tokens, 0, target(), slot=0) is None
+    # Never more than the slot's context.
+    small = await slow_prefill.plan(NS, tokens, 0, target(n_ctx=140), slot=0)
+    assert small is not None and small.n_tokens == 128  # 11 more tokens would fit: less than a step
+
+
+class _HangingPlanner:
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+
+    async def plan(self, *args: object, **kw: object) -> None:
+        self.entered.set()
+        await asyncio.Event().wait()
+
+
+async def test_a_request_cancelled_while_it_restores_gives_its_slot_back() -> None:
+    store = memory_store()
+    engine = KVEngine(Settings(slot_dir="."), None, store, Metrics(), SessionStore(store))  # type: ignore[arg-type]
+    table = SlotTable(1)
+    engine.watcher.target, engine.watcher.slots = target(), table
+    planner = _HangingPlanner()
+    engine.planner = planner  # type: ignore[assignment]
+    prompt = Prompt(np.arange(500, dtype=np.int32))
+    task = asyncio.create_task(engine.prepare(prompt))
+    await planner.entered.wait()
+    assert table.slots[0].busy
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not table.slots[0].busy
+
+
+@pytest.mark.parametrize("v_trans", [False, True])
+def test_first_cells_of_a_chunk_are_the_shorter_state(v_trans: bool) -> None:
+    from integrations.chunks import first_cells, split_state
+
+    lg = logical(150, seed=6)
+    split = split_state(parse_state(ref_file(lg, v_trans=v_trans)), C, tail=True)
+    second = first_cells(split.chunks[1], 40)  # cells 64..103
+    image = assemble_state([split.chunks[0], second], lg.tokens, v_trans=v_trans)
+    assert bytes(image) == ref_file(lg.prefix(104), v_trans=v_trans)
+    assert first_cells(split.chunks[1], 64) is split.chunks[1]
+    with pytest.raises(ValueError):
+        first_cells(split.chunks[1], 0)
+
+
+async def test_a_prompt_sharing_part_of_a_chunk_restores_those_cells() -> None:
+    """A system prompt that ends mid-chunk: the next conversation restores it to within a step."""
+    store = memory_store()
+    first, other = logical(200, seed=7), logical(200, seed=8)
+    await kvflow.store_state(store, NS, state_of(first))
+    prompt = np.asarray(first.tokens[:100] + other.tokens[100:180], np.int32)  # shares 100 tokens
+    found = await kvflow.find_prefix(store, NS, prompt)
+    assert found.chunks.matched_tokens == 64 and found.n_tokens == 96
+    got = await kvflow.fetch_prefix(store, NS, found)
+    assert got.n_tokens == 96 and got.tail is None  # a reference is no tail of the new context
+    assert bytes(assemble_state(got.payloads, prompt, v_trans=False)) == ref_file(first.prefix(96))
+    # The same within the first chunk: nothing full matches, 48 of 50 shared tokens come back.
+    short = np.asarray(first.tokens[:50] + other.tokens[50:120], np.int32)
+    got = await kvflow.fetch_prefix(store, NS, await kvflow.find_prefix(store, NS, short))
+    assert got.n_tokens == 48
+    assert bytes(assemble_state(got.payloads, short, v_trans=False)) == ref_file(first.prefix(48))
+
+
+async def test_a_reference_into_another_namespace_or_a_gone_value_restores_nothing_more() -> None:
+    store = memory_store()
+    lg = logical(200, seed=9)
+    await kvflow.store_state(store, NS, state_of(lg))
+    prompt = np.asarray(lg.tokens[:100] + [5] * 50, np.int32)
+    found = await kvflow.find_prefix(store, NS, prompt)
+    assert found.tail is not None and found.n_tokens == 96
+    # Overwrite the reference with one naming a key outside the namespace.
+    chain = prefix_chain(NS, lg.tokens, 3)
+    forged = kvflow.prefix_refs(chain[0], np.asarray(lg.tokens[64:128], np.int32), b"kvtier:other:c:00", chain[1])
+    await store.store_tails(NS, forged)
+    got = await kvflow.fetch_prefix(store, NS, found)
+    assert got.n_tokens == 64 and len(got.payloads) == 1
+    # A reference to a value that is gone: the chunks alone.
+    await kvflow.store_state(store, NS, state_of(lg))  # nothing new: the references stay forged
+    other = Namespace("e" * 32, chunk_tokens=C)
+    await kvflow.store_state(store, other, state_of(lg))
+    found = await kvflow.find_prefix(store, other, prompt)
+    await store.delete_everywhere([f"kvtier:{other.id}:c:{prefix_chain(other, lg.tokens, 2)[1].hex()}".encode()])
+    got = await kvflow.fetch_prefix(store, other, found)
+    assert got.n_tokens == 64
