@@ -17,7 +17,7 @@ export KVTIER_CACHE
 # GGML_NATIVE=OFF: native builds die with SIGILL/SIGSEGV on these VMs (see DESIGN.md).
 export CMAKE_ARGS := -DGGML_NATIVE=OFF
 
-.PHONY: venv llama-server test demo bench clean
+.PHONY: venv llama-server lint test demo bench clean
 
 venv: $(VENV)/.installed
 
@@ -34,8 +34,13 @@ llama-server: $(KVTIER_LLAMA_SERVER)
 $(KVTIER_LLAMA_SERVER): | venv
 	PYTHON=$(PY) KVTIER_CACHE=$(KVTIER_CACHE) scripts/build-llama-server.sh $(LLAMA_CPP_PYTHON)
 
-test: venv llama-server
+test: venv llama-server lint
 	$(PY) -m pytest -ra $(PYTEST_ARGS)
+
+# ruff over the whole tree; mypy --strict over the product and its launcher (pyproject's [tool.mypy]).
+lint: venv
+	$(PY) -m ruff check .
+	$(PY) -m mypy
 
 demo: venv llama-server
 	$(VENV)/bin/kvtier demo $(DEMO_ARGS)

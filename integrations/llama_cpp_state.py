@@ -31,7 +31,16 @@ import numpy as np
 from tiers.errors import KVTierError, StateFormatError
 from tiers.keys import as_token_array
 
-from .statefile import GGSQ_MAGIC, GGSQ_VERSION, HEADER_BYTES, SeqState, StateLayout, alloc_buffer, as_uint8, parse_state
+from .statefile import (
+    GGSQ_MAGIC,
+    GGSQ_VERSION,
+    HEADER_BYTES,
+    SeqState,
+    StateLayout,
+    alloc_buffer,
+    as_uint8,
+    parse_state,
+)
 
 IO_MAGIC = 0xAF143CD8  # llama_context::state_seq_{get,set}_data: io_magic, then the i32 seq id
 _SEQ_HEAD = struct.Struct("<Ii")
@@ -74,13 +83,13 @@ def memory_offset(image: bytes | bytearray | memoryview | np.ndarray) -> int:
     arr = as_uint8(image)
     if arr.size < HEADER_BYTES:
         raise StateFormatError("not a sequence-state image")
-    magic, _, n_words = _GGSQ_HEAD.unpack_from(memoryview(arr), 0)
+    magic, _, n_words = _GGSQ_HEAD.unpack_from(arr.data, 0)
     if magic != GGSQ_MAGIC:
         raise StateFormatError("not a sequence-state image (bad magic)")
     at = HEADER_BYTES + 4 * n_words
     if at > arr.size:
         raise StateFormatError("token section runs past the image")
-    return at
+    return int(at)
 
 
 def context_tokens(llm: Any) -> np.ndarray:
@@ -110,7 +119,7 @@ def read_seq_image(llm: Any, seq_id: int = 0, tokens: Sequence[int] | np.ndarray
         raise StateFormatError(f"llama_state_seq_get_size returned {size}")
     mem_at = HEADER_BYTES + 4 * int(toks.size)
     arr, view = alloc_buffer(mem_at - _SEQ_HEAD.size + size)
-    dst = (ctypes.c_uint8 * size).from_buffer(arr, mem_at - _SEQ_HEAD.size)
+    dst = (ctypes.c_uint8 * size).from_buffer(arr.data, mem_at - _SEQ_HEAD.size)
     try:
         got = int(lib.llama_state_seq_get_data(ctx, dst, size, seq_id))
     finally:
@@ -164,9 +173,9 @@ def whole_state_bytes(image: bytes | bytearray | memoryview | np.ndarray, arch_h
         out = np.empty(len(arch_header) + arr.size - mem_at, np.uint8)
         out[: len(arch_header)] = np.frombuffer(arch_header, np.uint8)
         out[len(arch_header):] = arr[mem_at:]
-        return memoryview(out)
+        return out.data
     arr[start:mem_at] = np.frombuffer(arch_header, np.uint8)
-    return memoryview(arr)[start:]
+    return arr.data[start:]
 
 
 def load_seq_image(llm: Any, image: bytes | bytearray | memoryview | np.ndarray, seq_id: int = 0) -> int:
@@ -193,9 +202,9 @@ def load_seq_image(llm: Any, image: bytes | bytearray | memoryview | np.ndarray,
         raise StateFormatError(f"{n} tokens do not fit the context ({len(llm.input_ids)})")
     tokens = arr[HEADER_BYTES:mem_at].view("<i4").copy()  # read before the header overwrites them
     start = mem_at - _SEQ_HEAD.size
-    _SEQ_HEAD.pack_into(memoryview(arr), start, IO_MAGIC, seq_id)
+    _SEQ_HEAD.pack_into(arr.data, start, IO_MAGIC, seq_id)
     size = int(arr.size - start)
-    src = (ctypes.c_uint8 * size).from_buffer(arr, start)
+    src = (ctypes.c_uint8 * size).from_buffer(arr.data, start)
     try:
         got = int(lib.llama_state_seq_set_data(_ctx(llm), src, size, seq_id))
     finally:

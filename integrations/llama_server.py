@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -126,7 +125,7 @@ class LlamaServerClient:
             ) as resp:
                 text = await resp.text()
                 status = resp.status
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise LlamaServerError(f"llama-server at {self.base_url} unreachable: {exc!r}") from exc
         try:
             data = json.loads(text) if text else None
@@ -144,13 +143,13 @@ class LlamaServerClient:
         return data
 
     async def health(self) -> dict[str, Any]:
-        return await self._request("GET", "/health", timeout=5) or {}  # type: ignore[no-any-return]
+        return await self._request("GET", "/health", timeout=5) or {}
 
     async def props(self) -> dict[str, Any]:
-        return await self._request("GET", "/props", timeout=10) or {}  # type: ignore[no-any-return]
+        return await self._request("GET", "/props", timeout=10) or {}
 
     async def models(self) -> dict[str, Any]:
-        return await self._request("GET", "/v1/models", timeout=10) or {}  # type: ignore[no-any-return]
+        return await self._request("GET", "/v1/models", timeout=10) or {}
 
     async def tokenize(self, content: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         """Tokens as the server's completion endpoints tokenize a prompt (special tokens on)."""

@@ -114,7 +114,7 @@ def summarize_metrics(text: str) -> dict[str, Any]:
         return values.get((name, tuple(sorted(labels.items()))), 0.0)
 
     tiers: dict[str, dict[str, float]] = {}
-    for (name, labels), _ in values.items():
+    for name, labels in values:
         if name == "kvtier_tier_hits_total":
             tier = dict(labels)["tier"]
             hits, misses = get("kvtier_tier_hits_total", tier=tier), get("kvtier_tier_misses_total", tier=tier)

@@ -85,7 +85,7 @@ class Metrics:
         self.redis_circuit = Gauge("kvtier_redis_circuit_open", "1 while the Redis circuit breaker is open", registry=r)
 
     def attach_store(self, store: TieredStore) -> None:
-        self.registry.register(_TierCollector(store))  # type: ignore[arg-type]
+        self.registry.register(_TierCollector(store))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

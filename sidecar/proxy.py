@@ -70,7 +70,7 @@ async def _relay(request: web.Request, body: bytes, extra_headers: Mapping[str, 
                                                         _forward_headers(request.headers), body)
     except ValueError as exc:  # nothing llama-server could be sent
         return json_error(400, f"request not forwardable: {exc}")
-    except (UpstreamError, asyncio.TimeoutError, OSError) as exc:
+    except (TimeoutError, UpstreamError, OSError) as exc:
         log.warning("llama-server unreachable: %s", exc)
         return json_error(502, "llama-server unreachable", "bad_gateway")
     out.status = upstream.status

@@ -354,10 +354,10 @@ class UpstreamResponse:
             return
         lengths = {v.strip() for v in headers.getall("Content-Length", [])}
         if lengths:
-            value = lengths.pop()
-            if lengths or not value.isdigit() or not value.isascii() or len(value) > 15:
+            length = lengths.pop()
+            if lengths or not length.isdigit() or not length.isascii() or len(length) > 15:
                 raise UpstreamError("bad Content-Length in the answer")
-            self.content_length = self._left = int(value)
+            self.content_length = self._left = int(length)
             self._state = _LENGTH if self._left else _DONE
             return
         self._state = _UNTIL_CLOSE

@@ -95,18 +95,17 @@ async def post(url: str, body: Any, *, raw: bytes | None = None, headers: dict[s
 async def post_stream(url: str, body: Any) -> tuple[int, list[Any], dict[str, str]]:
     """POST with ``stream: true``; returns the parsed SSE events (``[DONE]`` as the string)."""
     events: list[Any] = []
-    async with aiohttp.ClientSession() as s:
-        async with s.post(url, json={**body, "stream": True}) as r:
-            buf = b""
-            async for piece in r.content.iter_any():
-                buf += piece
-                while b"\n\n" in buf:
-                    event, buf = buf.split(b"\n\n", 1)
-                    for line in event.decode().splitlines():
-                        if line.startswith("data: "):
-                            data = line[6:]
-                            events.append(data if data == "[DONE]" else json.loads(data))
-            return r.status, events, dict(r.headers)
+    async with aiohttp.ClientSession() as s, s.post(url, json={**body, "stream": True}) as r:
+        buf = b""
+        async for piece in r.content.iter_any():
+            buf += piece
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                for line in event.decode().splitlines():
+                    if line.startswith("data: "):
+                        data = line[6:]
+                        events.append(data if data == "[DONE]" else json.loads(data))
+        return r.status, events, dict(r.headers)
 
 
 def stream_text(events: list[Any]) -> str:

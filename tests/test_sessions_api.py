@@ -263,7 +263,7 @@ async def test_openapi_contract_with_schemathesis(nodes: Nodes) -> None:
 
 async def test_docs_curl_examples_run_as_written(nodes: Nodes) -> None:
     doc = (Path(__file__).parent.parent / "docs" / "api.md").read_text()
-    blocks = re.findall(r"```bash\n(.*?)```", doc, flags=re.S)
+    blocks = re.findall(r"```bash\n(.*?)```", doc, flags=re.DOTALL)
     assert len(blocks) >= 6
     env = {**os.environ, "KVTIER": nodes.a.url, "TOKEN": TOKEN}
     for block in blocks:

@@ -186,7 +186,7 @@ def _race_worker(path: str, role: str, ident: int, seconds: float, out: mp.Queue
                 except CodecError:
                     bad += 1
         errors = tier.stats().errors
-    except Exception as exc:  # noqa: BLE001 - reported, so that the test fails with the reason instead of a timeout
+    except Exception as exc:
         errors = -1
         bad = f"{type(exc).__name__}: {exc}"  # type: ignore[assignment]
     out.put((role, ident, reads, writes, bad, errors))

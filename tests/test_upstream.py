@@ -162,7 +162,7 @@ def test_chunked_stream_arrives_piece_by_piece(loop: str) -> None:
         response.release()
         assert b"".join(pieces) == b"".join(events) and len(pieces) == len(events)
         assert response.complete and response.content_length is None
-        status, data, _ = await post(upstream)  # the connection was kept after the last chunk
+        _status, data, _ = await post(upstream)  # the connection was kept after the last chunk
         assert data == b"again"
 
     # Every byte of the framing in its own write as well: the parser resumes anywhere.

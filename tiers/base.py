@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import Protocol, Self, runtime_checkable
 
 from .errors import ConfigError
 
@@ -112,7 +112,7 @@ class Timer:
         self._clock = clock
         self.seconds = 0.0
 
-    def __enter__(self) -> Timer:
+    def __enter__(self) -> Self:
         self._t0 = self._clock()  # type: ignore[operator]
         return self
 

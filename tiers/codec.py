@@ -22,6 +22,7 @@ from __future__ import annotations
 import enum
 import struct
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Literal
 
 import lz4.block
@@ -71,7 +72,7 @@ class Blob:
     stored_bytes: int
 
 
-def _zstd_module():  # type: ignore[no-untyped-def]
+def _zstd_module() -> ModuleType:
     try:
         import zstandard
     except ImportError as exc:  # pragma: no cover - depends on the install
