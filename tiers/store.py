@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
 import numpy as np
 
 from .base import Tier, TierStats
 from .codec import BlobCodec, Flags
-from .errors import CodecError
 from .keys import (
     ChunkHash,
     Namespace,
@@ -25,14 +24,25 @@ from .keys import (
     tail_key,
     whole_key,
 )
+from .reads import Promoter, VerifiedReader
+from .writebehind import DEFAULT_QUEUE_LIMIT, Announce, WriteBehind
+
+__all__ = ["DEFAULT_QUEUE_LIMIT", "Announce", "FetchResult", "LookupResult", "PayloadSource", "StoreCounters",
+           "StoreResult", "TailHit", "TieredStore"]
 
 log = logging.getLogger("kvtier.store")
 
-DEFAULT_QUEUE_LIMIT = 32  # pending background jobs (one per stored state); the oldest is dropped past this
-BATCH_BYTES = 32 << 20  # bytes per background pipeline
-
 PayloadSource = Callable[[int], bytes | bytearray | memoryview]
-Announce = Callable[[list[bytes]], Awaitable[object]]
+_T = TypeVar("_T")
+
+
+async def _attempt(op: Awaitable[_T], what: str, tier: Tier) -> _T | None:
+    """``await op``, or None once its failure is logged: a failing tier never fails the store."""
+    try:
+        return await op
+    except Exception:
+        log.warning("%s on tier %s failed", what, tier.name, exc_info=True)
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,22 +93,14 @@ class StoreResult:
     seconds: float
 
 
-@dataclass(slots=True)
-class _StoreCounters:
-    corrupt: int = 0
-    dropped_writes: int = 0
-    background_errors: int = 0
-    promotions: int = 0
+@dataclass(frozen=True, slots=True)
+class StoreCounters:
+    """What the store has counted, read from the parts that count it."""
 
-
-@dataclass(slots=True)
-class _Job:
-    """One pending background write: keys, and the encoded value of key ``i`` on demand."""
-
-    keys: list[bytes]
-    blob: Callable[[int], bytes]
-    enqueued: float = field(default_factory=time.monotonic)
-    announce: Announce | None = None  # told the keys a background tier holds now that it did not before
+    corrupt: int = 0  # damaged or foreign values found and deleted
+    dropped_writes: int = 0  # background writes dropped from a full queue
+    background_errors: int = 0  # background writes that failed
+    promotions: int = 0  # values copied up into faster tiers after a fetch
 
 
 class TieredStore:
@@ -127,18 +129,22 @@ class TieredStore:
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"tier names must be unique, got {names}")
-        if queue_limit <= 0:
-            raise ValueError("queue_limit must be positive")
         self.tiers = list(tiers)
         self.codec = codec
         self._sync = [t for t in self.tiers if not t.write_behind]
-        self._background = [t for t in self.tiers if t.write_behind]
-        self._queue: collections.deque[_Job] = collections.deque()
-        self._queue_limit = queue_limit
-        self._wakeup: asyncio.Event | None = None
-        self._worker: asyncio.Task[None] | None = None
-        self._idle: asyncio.Event | None = None
-        self.counters = _StoreCounters()
+        self._writer = WriteBehind([t for t in self.tiers if t.write_behind], queue_limit=queue_limit)
+        self._reader = VerifiedReader(codec)
+        self._promoter = Promoter(self.tiers)
+
+    @property
+    def counters(self) -> StoreCounters:
+        return StoreCounters(self._reader.corrupt, self._writer.dropped, self._writer.errors,
+                             self._promoter.promotions)
+
+    @property
+    def queue_depth(self) -> int:
+        """Background writes waiting."""
+        return self._writer.depth
 
     # -- lookup and fetch ---------------------------------------------------------------------
 
@@ -154,12 +160,8 @@ class TieredStore:
             todo = [i for i, h in enumerate(holder) if h is None]
             if not todo:
                 break
-            try:
-                present = await tier.contains_many([keys[i] for i in todo])
-            except Exception:  # a tier never fails a lookup
-                log.warning("lookup on tier %s failed", tier.name, exc_info=True)
-                continue
-            for i, ok in zip(todo, present):
+            present = await _attempt(tier.contains_many([keys[i] for i in todo]), "lookup", tier)
+            for i, ok in zip(todo, present or ()):
                 if ok:
                     holder[i] = tier.name
         n = next((i for i, h in enumerate(holder) if h is None), len(holder))
@@ -174,45 +176,12 @@ class TieredStore:
         """
         t0 = time.perf_counter()
         keys = [chunk_key(namespace, h) for h in chain]
-        ns_id = namespace.digest[:8]
-        payloads: list[bytes | memoryview | None] = [None] * len(keys)
-        sources: list[str | None] = [None] * len(keys)
-        raw_blobs: dict[int, bytes | memoryview] = {}
-        bytes_read = 0
-        for tier in self.tiers:
-            todo = [i for i, p in enumerate(payloads) if p is None]
-            if not todo:
-                break
-            try:
-                got = await tier.get_many([keys[i] for i in todo])
-            except Exception:
-                log.warning("fetch on tier %s failed", tier.name, exc_info=True)
-                continue
-            corrupt: list[bytes] = []
-            for i in todo:
-                blob = got.get(keys[i])
-                if blob is None:
-                    continue
-                try:
-                    decoded = self.codec.decode(blob, chunk_hash=chain[i], namespace_id=ns_id)
-                except CodecError as exc:
-                    log.warning("damaged chunk %s in tier %s: %s (deleted)", keys[i].decode(), tier.name, exc)
-                    corrupt.append(keys[i])
-                    continue
-                payloads[i] = decoded.payload
-                sources[i] = tier.name
-                raw_blobs[i] = blob
-                bytes_read += len(blob)
-            if corrupt:
-                self.counters.corrupt += len(corrupt)
-                try:
-                    await tier.delete(corrupt)
-                except Exception:
-                    log.warning("could not delete damaged chunks from %s", tier.name, exc_info=True)
-        n = next((i for i, p in enumerate(payloads) if p is None), len(payloads))
+        found = await self._reader.read(self.tiers, dict(zip(keys, chain)), namespace.digest[:8])
+        n = next((i for i, k in enumerate(keys) if k not in found), len(keys))
+        hits = [found[k] for k in keys[:n]]
         result = FetchResult(
-            [p for p in payloads[:n] if p is not None], [s for s in sources[:n] if s], n * namespace.chunk_tokens,
-            bytes_read, time.perf_counter() - t0, keys[:n], [raw_blobs[i] for i in range(n)],
+            [v.payload for v in hits], [v.tier for v in hits], n * namespace.chunk_tokens,
+            sum(len(v.blob) for v in hits), time.perf_counter() - t0, keys[:n], [v.blob for v in hits],
         )
         if promote:
             await self.promote(result)
@@ -230,18 +199,7 @@ class TieredStore:
 
     async def promote(self, fetched: FetchResult) -> None:
         """Copy the chunks ``fetched`` found in lower tiers into the synchronous tiers above them."""
-        order = {t.name: i for i, t in enumerate(self.tiers)}
-        for tier in self._sync:
-            items = {
-                key: bytes(blob)
-                for key, src, blob in zip(fetched.keys, fetched.tiers, fetched.blobs)
-                if order[src] > order[tier.name]
-            }
-            if items:
-                try:
-                    self.counters.promotions += await tier.put_many(items)
-                except Exception:
-                    log.warning("promotion into %s failed", tier.name, exc_info=True)
+        await self._promoter.promote(fetched.keys, fetched.tiers, fetched.blobs)
 
     # -- store ----------------------------------------------------------------------------------
 
@@ -276,24 +234,16 @@ class TieredStore:
 
         written = set()
         for tier in self._sync:
-            try:
-                present = await tier.contains_many(keys)
-            except Exception:
-                log.warning("contains on tier %s failed", tier.name, exc_info=True)
-                continue  # a broken tier is not written to
-            missing = [i for i, ok in enumerate(present) if not ok]
+            present = await _attempt(tier.contains_many(keys), "contains", tier)
+            missing = [i for i, ok in enumerate(present or ()) if not ok]  # a broken tier is not written to
             if not missing:
                 continue
-            try:
+            try:  # blob(i) encodes here: a payload that fails is a failed put, as before the guard
                 await tier.put_many({keys[i]: blob(i) for i in missing})
                 written.update(missing)
             except Exception:
                 log.warning("put on tier %s failed", tier.name, exc_info=True)
-        if self._background:
-            # The writer probes each background tier itself (EXISTS before SET) and encodes only
-            # what is missing there: a key seen once may be gone by now (TTL, eviction, a restarted
-            # Redis), so nothing is assumed.
-            self._enqueue(_Job(keys, blob, announce=announce))
+        self._writer.submit(keys, blob, announce=announce)  # encodes only what a background tier lacks
         return StoreResult(len(keys), len(written), sum(len(b) for b in blobs.values()), time.perf_counter() - t0)
 
     async def lookup_tail(self, namespace: Namespace, parent: bytes,
@@ -309,11 +259,7 @@ class TieredStore:
         keys = [tail_key(namespace, h) for h in hashes]
         best: TailHit | None = None
         for tier in self.tiers:
-            try:
-                present = await tier.contains_many(keys)
-            except Exception:  # a tier never fails a lookup
-                log.warning("tail lookup on tier %s failed", tier.name, exc_info=True)
-                continue
+            present = await _attempt(tier.contains_many(keys), "tail lookup", tier) or [False] * len(keys)
             t = next((i + 1 for i in range(len(keys) - 1, -1, -1) if present[i]), 0)
             if t and (best is None or t > best.n_tokens):
                 best = TailHit(t, hashes[t - 1], keys[t - 1], tier.name)
@@ -348,13 +294,9 @@ class TieredStore:
     async def put_raw_many(self, blobs: Mapping[bytes, bytes], *, announce: Announce | None = None) -> None:
         """Write already encoded values to every tier (sync tiers now, background queued)."""
         for tier in self._sync:
-            try:
-                await tier.put_many(blobs)
-            except Exception:
-                log.warning("put on tier %s failed", tier.name, exc_info=True)
-        if self._background:
-            keys = list(blobs)
-            self._enqueue(_Job(keys, lambda i: blobs[keys[i]], announce=announce))
+            await _attempt(tier.put_many(blobs), "put", tier)
+        keys = list(blobs)
+        self._writer.submit(keys, lambda i: blobs[keys[i]], announce=announce)
 
     async def store_whole(self, namespace: Namespace, tokens: Sequence[int], payload: bytes | memoryview) -> bytes:
         """Store an unsplittable state under the key of its exact token sequence."""
@@ -371,133 +313,23 @@ class TieredStore:
 
     async def get_verified(self, key: bytes, value_hash: bytes, namespace: Namespace) -> bytes | memoryview | None:
         """One value from the fastest tier that holds it intact (damaged copies are deleted)."""
-        for tier in self.tiers:
-            try:
-                got = (await tier.get_many([key])).get(key)
-            except Exception:
-                log.warning("get on tier %s failed", tier.name, exc_info=True)
-                continue
-            if got is None:
-                continue
-            try:
-                return self.codec.decode(got, chunk_hash=value_hash, namespace_id=namespace.digest[:8]).payload
-            except CodecError as exc:
-                self.counters.corrupt += 1
-                log.warning("damaged value %s in tier %s: %s (deleted)", key.decode(errors="replace"), tier.name, exc)
-                try:
-                    await tier.delete([key])
-                except Exception:
-                    log.warning("could not delete a damaged value from %s", tier.name, exc_info=True)
-        return None
+        found = (await self._reader.read(self.tiers, {key: value_hash}, namespace.digest[:8])).get(key)
+        return None if found is None else found.payload
 
     async def prefetch(self, keys: Sequence[bytes]) -> int:
         """Copy values that only the background tiers hold into the synchronous ones (pre-warming).
 
         Values are copied as stored; every read verifies them anyway. Returns how many were copied.
         """
-        if not self._sync or not self._background or not keys:
-            return 0
-        copied = 0
-        for tier in self._sync:
-            try:
-                present = await tier.contains_many(keys)
-            except Exception:
-                log.warning("contains on tier %s failed", tier.name, exc_info=True)
-                continue
-            wanted = [k for k, ok in zip(keys, present) if not ok]
-            for source in self._background:
-                if not wanted:
-                    break
-                try:
-                    got = await source.get_many(wanted)
-                    if got:
-                        copied += await tier.put_many({k: bytes(v) for k, v in got.items()})
-                except Exception:
-                    log.warning("prefetch from %s into %s failed", source.name, tier.name, exc_info=True)
-                wanted = [k for k in wanted if k not in got]
-        return copied
+        return await self._promoter.prefetch(keys)
 
     async def delete_everywhere(self, keys: Sequence[bytes]) -> None:
         for tier in self.tiers:
-            try:
-                await tier.delete(keys)
-            except Exception:
-                log.warning("delete on tier %s failed", tier.name, exc_info=True)
-
-    # -- background writes ----------------------------------------------------------------------
-
-    def _enqueue(self, job: _Job) -> None:
-        if len(self._queue) >= self._queue_limit:
-            self._queue.popleft()
-            self.counters.dropped_writes += 1
-        self._queue.append(job)
-        self._ensure_worker()
-        assert self._wakeup is not None and self._idle is not None
-        self._idle.clear()
-        self._wakeup.set()
-
-    def _ensure_worker(self) -> None:
-        if self._worker is None or self._worker.done():
-            self._wakeup = asyncio.Event()
-            self._idle = asyncio.Event()
-            self._worker = asyncio.get_running_loop().create_task(self._drain_forever(), name="kvtier-write-behind")
-
-    @property
-    def queue_depth(self) -> int:
-        return len(self._queue)
-
-    async def _drain_forever(self) -> None:
-        assert self._wakeup is not None and self._idle is not None
-        while True:
-            if not self._queue:
-                self._idle.set()
-                self._wakeup.clear()
-                await self._wakeup.wait()
-                continue
-            job = self._queue.popleft()
-            for tier in self._background:
-                await self._write_background(tier, job)
-
-    async def _write_background(self, tier: Tier, job: _Job) -> None:
-        try:
-            present = await tier.contains_many(job.keys)
-            missing = [i for i, ok in enumerate(present) if not ok]
-            # Pipelines of ~32 MB keep each round trip large but bounded.
-            batch: dict[bytes, bytes] = {}
-            size = 0
-            written: list[bytes] = []
-            for n, i in enumerate(missing):
-                value = job.blob(i)
-                batch[job.keys[i]] = value
-                size += len(value)
-                if size >= BATCH_BYTES or n == len(missing) - 1:
-                    stored = await tier.put_many(batch)
-                    if stored < len(batch):
-                        # Tiers report failures as counts, not exceptions (a miss is not an error).
-                        self.counters.background_errors += 1
-                        log.warning("background write to %s stored %d of %d values", tier.name, stored, len(batch))
-                    else:
-                        written += batch
-                    batch, size = {}, 0
-        except Exception:
-            self.counters.background_errors += 1
-            log.warning("background write to %s failed", tier.name, exc_info=True)
-            return
-        if written and job.announce is not None:
-            try:
-                await job.announce(written)
-            except Exception:
-                log.debug("announcing %d stored keys failed", len(written), exc_info=True)
+            await _attempt(tier.delete(keys), "delete", tier)
 
     async def flush(self, timeout: float | None = None) -> bool:
         """Wait until the background queue is empty; False if ``timeout`` ran out first."""
-        if self._worker is None or self._idle is None:
-            return True
-        try:
-            await asyncio.wait_for(self._idle.wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
+        return await self._writer.flush(timeout)
 
     # -- stats and lifecycle --------------------------------------------------------------------
 
@@ -506,21 +338,6 @@ class TieredStore:
 
     async def aclose(self, drain_timeout: float = 5.0) -> None:
         """Drain pending background writes (bounded by ``drain_timeout``), then close the tiers."""
-        if self._worker is not None:
-            # Flush even with an empty queue: the worker may still be writing the job it took last.
-            await self.flush(drain_timeout)
-            # Cancel until it ends, but never wait on it unbounded: Python 3.11's asyncio.wait_for
-            # (inside redis-py) can swallow a cancellation that races its inner task's completion,
-            # and a worker that survived one cancel would otherwise be awaited forever.
-            deadline = asyncio.get_running_loop().time() + 1.0
-            while not self._worker.done() and asyncio.get_running_loop().time() < deadline:
-                self._worker.cancel()
-                await asyncio.wait({self._worker}, timeout=0.1)
-            if not self._worker.done():
-                log.warning("the background writer did not stop; abandoning it")
-            self._worker = None
+        await self._writer.aclose(drain_timeout)
         for tier in self.tiers:
-            try:
-                await tier.aclose()
-            except Exception:
-                log.warning("closing tier %s failed", tier.name, exc_info=True)
+            await _attempt(tier.aclose(), "close", tier)

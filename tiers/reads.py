@@ -1,0 +1,130 @@
+"""The store's reads from one tier: verified on the way out, and copied up into the faster tiers."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from .base import Tier
+from .codec import BlobCodec
+from .errors import CodecError
+
+log = logging.getLogger("kvtier.store")
+
+@dataclass(frozen=True, slots=True)
+class Verified:
+    """A value read intact: its payload, the blob as stored (for a later promotion), and its tier."""
+
+    payload: bytes | memoryview
+    blob: bytes | memoryview
+    tier: str
+
+
+class VerifiedReader:
+    """Reads values from the tiers, fastest first, and checks each one (``BlobCodec.decode``).
+
+    A damaged or foreign value is deleted from its tier and counted (``corrupt``): left in place
+    it would be found, and rejected, by every later read.
+    """
+
+    def __init__(self, codec: BlobCodec):
+        self.codec = codec
+        self.corrupt = 0
+
+    async def read(self, tiers: Sequence[Tier], hashes: Mapping[bytes, bytes],
+                   namespace_id: bytes) -> dict[bytes, Verified]:
+        """Each key of ``hashes`` (key -> the value hash its value must carry) from the fastest of
+        ``tiers`` that holds it intact; absent where none does."""
+        found: dict[bytes, Verified] = {}
+        for tier in tiers:
+            todo = {k: h for k, h in hashes.items() if k not in found}
+            if not todo:
+                break
+            found.update(await self._read_tier(tier, todo, namespace_id))
+        return found
+
+    async def _read_tier(self, tier: Tier, hashes: Mapping[bytes, bytes],
+                         namespace_id: bytes) -> dict[bytes, Verified]:
+        try:
+            got = await tier.get_many(list(hashes))
+        except Exception:  # a tier never fails a read
+            log.warning("read from tier %s failed", tier.name, exc_info=True)
+            return {}
+        found: dict[bytes, Verified] = {}
+        damaged: list[bytes] = []
+        for key, value_hash in hashes.items():
+            blob = got.get(key)
+            if blob is None:
+                continue
+            try:
+                payload = self.codec.decode(blob, chunk_hash=value_hash, namespace_id=namespace_id).payload
+                found[key] = Verified(payload, blob, tier.name)
+            except CodecError as exc:
+                log.warning("damaged value %s in tier %s: %s (deleted)", key.decode(errors="replace"), tier.name, exc)
+                damaged.append(key)
+        if damaged:
+            self.corrupt += len(damaged)
+            try:
+                await tier.delete(damaged)
+            except Exception:
+                log.warning("could not delete damaged values from %s", tier.name, exc_info=True)
+        return found
+
+
+class Promoter:
+    """Copies values that slower tiers hold into the synchronous tiers above them: after a fetch
+    (``promote``, counted in ``promotions``) or before one (``prefetch``, pre-warming).
+
+    Values are copied as stored; every read verifies them anyway.
+
+    Args:
+        tiers: the store's tiers, fastest first.
+    """
+
+    def __init__(self, tiers: Sequence[Tier]):
+        self._order = {t.name: i for i, t in enumerate(tiers)}
+        self._sync = [t for t in tiers if not t.write_behind]
+        self._background = [t for t in tiers if t.write_behind]
+        self.promotions = 0
+
+    async def promote(self, keys: Sequence[bytes], sources: Sequence[str],
+                      blobs: Sequence[bytes | memoryview]) -> None:
+        """Copy the value of each key, found in tier ``sources[i]``, into the synchronous tiers above it."""
+        for tier in self._sync:
+            items = {
+                key: bytes(blob)
+                for key, src, blob in zip(keys, sources, blobs)
+                if self._order[src] > self._order[tier.name]
+            }
+            if items:
+                try:
+                    self.promotions += await tier.put_many(items)
+                except Exception:
+                    log.warning("promotion into %s failed", tier.name, exc_info=True)
+
+    async def prefetch(self, keys: Sequence[bytes]) -> int:
+        """Copy the values of ``keys`` that only the background tiers hold into the synchronous
+        ones; returns how many were copied."""
+        if not self._sync or not self._background or not keys:
+            return 0
+        copied = 0
+        for tier in self._sync:
+            try:
+                present = await tier.contains_many(keys)
+            except Exception:
+                log.warning("contains on tier %s failed", tier.name, exc_info=True)
+                continue
+            wanted = [k for k, ok in zip(keys, present) if not ok]
+            for source in self._background:
+                if not wanted:
+                    break
+                got: dict[bytes, bytes | memoryview] = {}  # a failing source copies nothing
+                try:
+                    got = await source.get_many(wanted)
+                    if got:
+                        copied += await tier.put_many({k: bytes(v) for k, v in got.items()})
+                except Exception:
+                    log.warning("prefetch from %s into %s failed", source.name, tier.name, exc_info=True)
+                wanted = [k for k in wanted if k not in got]
+        return copied
