@@ -60,6 +60,104 @@ def file_name(key: bytes) -> str:
     return "h" + hashlib.blake2b(key, digest_size=20).hexdigest()
 
 
+class DirectoryBudget:
+    """The byte budget of one shared directory: what it holds, and least-recently-used eviction.
+
+    Usage is known exactly after a scan and estimated in between (this process's writes and
+    deletes are added); a writer scans when the estimate says it would go over the capacity, or
+    when the last scan is older than ``rescan_interval`` (other processes write too).
+
+    Args:
+        directory: the directory whose files count.
+        capacity: bytes.
+        rescan_interval: seconds between scans while writing.
+        stats: the tier's counters, where evictions are counted.
+    """
+
+    def __init__(self, directory: str, capacity: int, rescan_interval: float, stats: StatsCounter):
+        self.capacity = capacity
+        self._dir = directory
+        self._rescan = rescan_interval
+        self._stats = stats
+        self._lock = threading.Lock()
+        self._used = 0
+        self._entries = 0
+        self._last_scan = float("-inf")
+        self.rescan()
+
+    def rescan(self) -> None:
+        """Measure the directory now (and evict, should it be over the capacity)."""
+        with self._lock:
+            self._scan_and_evict(0)
+
+    def make_room(self, incoming: int) -> None:
+        """Before writing ``incoming`` bytes: scan, and evict down to the low-water mark, if needed."""
+        with self._lock:
+            if self._used + incoming > self.capacity or time.monotonic() - self._last_scan > self._rescan:
+                self._scan_and_evict(incoming)
+
+    def added(self, size: int, replaced: int) -> None:
+        """A file of ``size`` bytes was installed over one of ``replaced`` bytes (-1: over none)."""
+        with self._lock:
+            self._used += size - max(replaced, 0)
+            self._entries += replaced < 0
+
+    def removed(self, size: int) -> None:
+        """A file of ``size`` bytes was unlinked."""
+        with self._lock:
+            self._used -= size
+            self._entries -= 1
+
+    def usage(self) -> tuple[int, int]:
+        """(entries, bytes used): estimates, never negative."""
+        with self._lock:
+            return max(self._entries, 0), max(self._used, 0)
+
+    def _scan_and_evict(self, incoming: int) -> None:
+        """Measure the directory; unlink the least recently used files until ``incoming`` fits.
+
+        Called with ``self._lock`` held. Files that vanish during the scan were evicted or replaced
+        by another process and are skipped.
+        """
+        files: list[tuple[int, int, str]] = []  # (mtime ns, size, name)
+        used = 0
+        now = time.time_ns()
+        with os.scandir(self._dir) as it:
+            for entry in it:
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if entry.name.startswith(_TMP_PREFIX):
+                    if now - st.st_mtime_ns > STALE_TEMP_SECONDS * 1e9:
+                        _unlink(entry.path)  # left by a writer that died
+                    else:
+                        used += st.st_size  # in flight: occupies space, cannot be evicted
+                    continue
+                if not entry.is_file(follow_symlinks=False):
+                    continue
+                files.append((st.st_mtime_ns, st.st_size, entry.name))
+                used += st.st_size
+        evicted = 0
+        if used + incoming > self.capacity:
+            target = max(0, int(self.capacity * LOW_WATER) - incoming)
+            files.sort()
+            for i, (_, size, fname) in enumerate(files):
+                if used <= target:
+                    files = files[i:]
+                    break
+                if _unlink(os.path.join(self._dir, fname)):
+                    evicted += 1
+                used -= size  # gone either way: by us, or by whoever raced us
+            else:
+                files = []
+        self._used = used
+        self._entries = len(files)
+        self._last_scan = time.monotonic()
+        if evicted:
+            self._stats.add(evictions=evicted)
+
+
 class SharedTier:
     """A tier of files in a directory shared by the processes of one node.
 
@@ -109,15 +207,10 @@ class SharedTier:
             log.warning("shared tier capacity %d exceeds the size of the file system of %s (%d bytes): "
                         "writes will fail before eviction starts", self.capacity, self._dir, fs.f_blocks * fs.f_frsize)
         self._file_mode = file_mode
-        self._rescan = float(rescan_interval)
-        self._lock = threading.Lock()
-        self._stats = StatsCounter(name)
-        self._used = 0
-        self._entries = 0
-        self._last_scan = float("-inf")
+        self._stamp_lock = threading.Lock()
         self._last_stamp = 0
-        with self._lock:
-            self._scan_and_evict(0)
+        self._stats = StatsCounter(name)
+        self._budget = DirectoryBudget(self._dir, self.capacity, float(rescan_interval), self._stats)
 
     def __repr__(self) -> str:
         return f"SharedTier(name={self.name!r}, path={self._dir!r}, capacity={self.capacity})"
@@ -127,7 +220,7 @@ class SharedTier:
 
     def _stamp(self) -> int:
         """A strictly increasing wall-clock time in ns (file times of one batch must not tie)."""
-        with self._lock:
+        with self._stamp_lock:
             now = max(time.time_ns(), self._last_stamp + 1)
             self._last_stamp = now
             return now
@@ -208,9 +301,7 @@ class SharedTier:
             total += len(value)
         if not keep:
             return 0
-        with self._lock:
-            if self._used + total > self.capacity or time.monotonic() - self._last_scan > self._rescan:
-                self._scan_and_evict(total)
+        self._budget.make_room(total)
         stored = nbytes = errors = 0
         for key, value in reversed(keep):  # deepest first: the root gets the newest time
             try:
@@ -218,9 +309,7 @@ class SharedTier:
             except OSError:
                 errors += 1
                 continue
-            with self._lock:
-                self._used += len(value) - max(replaced, 0)
-                self._entries += replaced < 0
+            self._budget.added(len(value), replaced)
             stored += 1
             nbytes += len(value)
         self._stats.add(puts=stored, bytes_in=nbytes, errors=errors, put_seconds=time.perf_counter() - t0)
@@ -253,50 +342,6 @@ class SharedTier:
             raise
         return old
 
-    def _scan_and_evict(self, incoming: int) -> None:
-        """Measure the directory; unlink the least recently used files until ``incoming`` fits.
-
-        Called with ``self._lock`` held. Files that vanish during the scan were evicted or replaced
-        by another process and are skipped.
-        """
-        files: list[tuple[int, int, str]] = []  # (mtime ns, size, name)
-        used = 0
-        now = time.time_ns()
-        with os.scandir(self._dir) as it:
-            for entry in it:
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                except FileNotFoundError:
-                    continue
-                if entry.name.startswith(_TMP_PREFIX):
-                    if now - st.st_mtime_ns > STALE_TEMP_SECONDS * 1e9:
-                        _unlink(entry.path)  # left by a writer that died
-                    else:
-                        used += st.st_size  # in flight: occupies space, cannot be evicted
-                    continue
-                if not entry.is_file(follow_symlinks=False):
-                    continue
-                files.append((st.st_mtime_ns, st.st_size, entry.name))
-                used += st.st_size
-        evicted = 0
-        if used + incoming > self.capacity:
-            target = max(0, int(self.capacity * LOW_WATER) - incoming)
-            files.sort()
-            for i, (_, size, fname) in enumerate(files):
-                if used <= target:
-                    files = files[i:]
-                    break
-                if _unlink(os.path.join(self._dir, fname)):
-                    evicted += 1
-                used -= size  # gone either way: by us, or by whoever raced us
-            else:
-                files = []
-        self._used = used
-        self._entries = len(files)
-        self._last_scan = time.monotonic()
-        if evicted:
-            self._stats.add(evictions=evicted)
-
     async def delete(self, keys: Sequence[bytes]) -> int:
         removed = 0
         for key in keys:
@@ -307,9 +352,7 @@ class SharedTier:
                 continue
             if _unlink(path):
                 removed += 1
-                with self._lock:
-                    self._used -= size
-                    self._entries -= 1
+                self._budget.removed(size)
         return removed
 
     def clear(self) -> int:
@@ -319,18 +362,15 @@ class SharedTier:
             for entry in it:
                 if entry.is_file(follow_symlinks=False) and _unlink(entry.path):
                     removed += 1
-        with self._lock:
-            self._scan_and_evict(0)
+        self._budget.rescan()
         return removed
 
     def rescan(self) -> None:
         """Measure the directory now (stats otherwise lag other processes' writes)."""
-        with self._lock:
-            self._scan_and_evict(0)
+        self._budget.rescan()
 
     def stats(self) -> TierStats:
-        with self._lock:
-            entries, used = max(self._entries, 0), max(self._used, 0)
+        entries, used = self._budget.usage()
         return self._stats.snapshot(entries=entries, bytes_used=used, capacity=self.capacity,
                                     available=os.path.isdir(self._dir))
 
