@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from integrations.llama_server import KEEPALIVE_S, LlamaServerClient, LlamaServerError
+from integrations.llama_server import KEEPALIVE_S, LlamaServerClient
 from tiers.base import Tier
 from tiers.codec import BlobCodec
 from tiers.memory import MemoryTier
@@ -26,6 +26,7 @@ from .config import Settings
 from .engine import KVEngine
 from .metrics import Metrics
 from .middlewares import front_middleware
+from .prewarm import prewarm_forever
 from .routes import auth_policy, route_defs
 from .upstream import Upstream
 
@@ -78,15 +79,16 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     metrics.attach_store(store)
     engine = KVEngine(settings, LlamaServerClient(settings.llama_url, session), store, metrics,
                       SessionStore(store, redis.manifests if redis is not None else None),
-                      events=redis.events if redis is not None else None)
+                      events=redis.events if redis is not None else None, witness=upstream.witness)
     app[UPSTREAM] = upstream
     app[STORE] = store
     app[REDIS] = redis.tier if redis is not None else None
     app[ENGINE] = engine
     loop = asyncio.get_running_loop()
-    tasks = [loop.create_task(_watch_llama_server(engine), name="kvtier-health")]
-    if settings.prewarm:
-        tasks.append(loop.create_task(engine.prewarm_forever(), name="kvtier-prewarm"))
+    tasks = [loop.create_task(engine.watcher.watch_forever(HEALTH_INTERVAL_S), name="kvtier-health")]
+    if settings.prewarm and redis is not None:
+        tasks.append(loop.create_task(prewarm_forever(engine.watcher, redis.events, store, metrics),
+                                      name="kvtier-prewarm"))
     try:
         yield
     finally:
@@ -96,33 +98,10 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         if not drained:
             log.warning("shutdown: pending slot saves did not finish in %.0fs", settings.shutdown_timeout)
         engine.prompts.close()
-        engine.remove_kept_files()
+        engine.files.remove_kept()
         await store.aclose(drain_timeout=settings.shutdown_timeout)
         upstream.close()
         await session.close()
-
-
-async def _watch_llama_server(engine: KVEngine) -> None:
-    """Notice a llama-server restart: its slots come back empty, so the slot table is rebuilt."""
-    was_up = True
-    while True:
-        await asyncio.sleep(HEALTH_INTERVAL_S)
-        try:
-            await engine.client.health()
-            up = True
-        except LlamaServerError:
-            up = False
-        try:
-            if up and not was_up:
-                log.info("llama-server is back: relearning its slots")
-                engine.forget_slots()
-            if up and engine.ready:
-                await engine.check_server()
-            if up and not engine.ready:
-                await engine.ensure_ready()
-        except (LlamaServerError, OSError) as exc:
-            log.debug("health watcher: %s", exc)
-        was_up = up
 
 
 def create_app(settings: Settings) -> web.Application:

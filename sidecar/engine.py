@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ import numpy as np
 from integrations.llama_server import LlamaServerClient, Timings, prefix_reused
 from tiers.base import TierRole
 from tiers.events import EventBus
-from tiers.keys import Namespace, events_channel, namespace_prefix
+from tiers.keys import Namespace
 from tiers.sessions import Manifest, SessionError, SessionStore
 from tiers.store import FetchResult, TieredStore
 
@@ -39,7 +39,7 @@ from .restorer import Restored, RestoreWriter
 from .saver import Saver
 from .slotfiles import SlotFiles
 from .slots import FOLLOW_UP_MAX_CHARS, Asked, Lease, SlotTable
-from .watcher import ServerWatcher, Target
+from .watcher import ServerWatcher, Target, Witness
 
 log = logging.getLogger("kvtier.engine")
 
@@ -68,6 +68,7 @@ class RequestPlan:
     # A session restored for this request: the save after the answer records its use (a touch
     # when there is none), so the restore does not wait for a manifest write.
     restored_session: Manifest | None = None
+    epoch: int = 0  # the server watcher's epoch it was planned in: a save after a change is not stored
 
     def took(self, restored: Restored) -> None:
         self.restored_tokens, self.restore_tier, self.restore_ms = restored.n_tokens, restored.tier, restored.ms
@@ -77,17 +78,17 @@ class KVEngine:
     """The sidecar's cache: composes the watcher, planner, restorer and saver around each request."""
 
     def __init__(self, settings: Settings, client: LlamaServerClient, store: TieredStore, metrics: Metrics,
-                 sessions: SessionStore, *, events: EventBus | None = None):
+                 sessions: SessionStore, *, events: EventBus | None = None,
+                 witness: Callable[[], Witness | None] | None = None):
         self.settings = settings
         self.client = client
         self.store = store
         self.metrics = metrics
-        self.events = events
         self.cost = CostModel(settings.prefill_tps_prior, settings.restore_gbps_prior,
                               min_tokens=settings.restore_min_tokens)
         self.files = SlotFiles(client, Path(settings.slot_dir or "."), settings.keep_restore_files)
         self.prompts = PromptTokens(client, metrics, in_process=settings.local_tokenizer != "off")
-        self.watcher = ServerWatcher(settings, client, self.files, self.prompts)
+        self.watcher = ServerWatcher(settings, client, self.files, self.prompts, witness)
         self.sessions = sessions
         self.planner = RestorePlanner(store, self.cost, metrics)
         self.restorer = RestoreWriter(store, self.sessions, self.files, self.cost, metrics)
@@ -127,14 +128,7 @@ class KVEngine:
     async def check_server(self) -> None:
         await self.watcher.check_server()
 
-    def forget_slots(self) -> None:
-        self.watcher.forget()
-
     # -- before the request -----------------------------------------------------------------------
-
-    async def prompt_for(self, kind: str, body: Mapping[str, Any]) -> Prompt | None:
-        """The prompt tokens the server will see, or None when this request is not cacheable."""
-        return await self.prompts.prompt_for(kind, body)
 
     def follow_up(self, body: Mapping[str, Any], asked: Asked, *, want_slot: int | None = None, salt: str = "",
                   since: float | None = None) -> RequestPlan | None:
@@ -154,7 +148,8 @@ class KVEngine:
         lease = table.follow_up(asked, want=want_slot, owner=salt)
         if lease is None:
             return None
-        plan = RequestPlan(NO_TOKENS, lease, target.namespace_for(salt), salt, asked=asked, follow_up=True)
+        plan = RequestPlan(NO_TOKENS, lease, target.namespace_for(salt), salt, asked=asked, follow_up=True,
+                           epoch=self.watcher.epoch)
         plan.overhead_ms = (time.perf_counter() - since) * 1000 if since is not None else 0.0
         self.metrics.overhead_seconds.observe(plan.overhead_ms / 1000)
         self.metrics.follow_ups.inc()
@@ -187,7 +182,8 @@ class KVEngine:
             self.metrics.slot_queue.set(table.queue_depth + 1)
             lease = await table.acquire(tokens, want=want_slot, timeout=timeout, owner=salt)
             self.metrics.slot_queue.set(table.queue_depth)
-            plan = RequestPlan(tokens, lease, target.namespace_for(salt), salt, session_id, prompt, asked=asked)
+            plan = RequestPlan(tokens, lease, target.namespace_for(salt), salt, session_id, prompt, asked=asked,
+                               epoch=self.watcher.epoch)
             if session_id is not None:
                 self.session_slots[session_id] = lease.slot
             t1 = time.perf_counter()
@@ -272,7 +268,8 @@ class KVEngine:
     def finish(self, plan: RequestPlan, *, ok: bool, answer: bytes | None) -> None:
         """Save the slot in the background and release it; the answer (its end, for streams) is
         read for its timings there too, after it has been delivered."""
-        plan.lease.table.slots[plan.lease.slot].served = True
+        record = plan.lease.table.slots[plan.lease.slot]
+        record.served = record.saving = True
         task = asyncio.get_running_loop().create_task(self._save_then_release(plan, ok, answer))
         self._pending.add(task)
         self.metrics.pending_saves.set(len(self._pending))
@@ -296,6 +293,14 @@ class KVEngine:
                 if plan.restored_session is not None:  # no save records the session's use
                     await self.sessions.touch(plan.namespace, plan.restored_session)
                 return
+            if not await self.watcher.ensure_ready() or self.watcher.epoch != plan.epoch:
+                # llama-server restarted or changed since this request was planned: what its slot
+                # holds now may be another model's KV, which must never go under this namespace.
+                self.metrics.cache_errors.labels("server_changed").inc()
+                log.warning("slot %d: llama-server changed during the request; its state is not stored",
+                            lease.slot)
+                table.forget(lease.slot)
+                return
             if plan.session_id is not None:
                 manifest = await self.save_session(lease, plan.namespace, plan.session_id, owner=plan.salt)
                 self.prompts.check(plan.prompt, manifest.tokens)
@@ -305,10 +310,12 @@ class KVEngine:
             # After the save, which set the slot's tokens (and so forgot what it answered).
             table.slots[lease.slot].asked = plan.asked
         except Exception as exc:
+            # A failed save (a full slot dir, an unreachable tier) leaves the slot as it was: what
+            # the table knows of it (what was restored or saved last) is still a prefix of it.
             self.metrics.cache_errors.labels("save").inc()
             log.warning("saving slot %d failed: %s", lease.slot, exc)
-            table.forget(lease.slot)
         finally:
+            table.slots[lease.slot].saving = False
             lease.release()
             self.metrics.pending_saves.set(max(len(self._pending) - 1, 0))
 
@@ -319,10 +326,14 @@ class KVEngine:
         if plan.follow_up:  # its slot's common prefix is known only now
             self.metrics.tokens_slot_reused.inc(timings.cache_n)
         self.cost.observe_prefill(timings.prompt_n, timings.prompt_ms)
-        if plan.restored_tokens and not prefix_reused(timings, plan.tokens.size, plan.restored_tokens):
+        expected = max(plan.restored_tokens, plan.lease.cached_tokens)
+        if expected and not prefix_reused(timings, plan.tokens.size, expected):
+            # The slot held less than kvtier thought: a restart it has not noticed yet, or a
+            # restore llama-server threw away. Check the server before the next request.
             self.metrics.reuse_failures.inc()
-            log.warning("slot %d: restored %d tokens but the server recomputed %d of %d",
-                        plan.lease.slot, plan.restored_tokens, timings.prompt_n, plan.tokens.size)
+            self.watcher.doubt()
+            log.warning("slot %d: expected %d tokens reused but the server recomputed %d of %d",
+                        plan.lease.slot, expected, timings.prompt_n, plan.tokens.size)
 
     async def drain(self, timeout: float) -> bool:
         """Wait for pending saves (graceful shutdown)."""
@@ -330,25 +341,3 @@ class KVEngine:
             return True
         _, pending = await asyncio.wait(set(self._pending), timeout=timeout)
         return not pending
-
-    def remove_kept_files(self) -> None:
-        """Remove the restore files kept for the next restores (at shutdown)."""
-        self.files.remove_kept()
-
-    # -- pre-warming ------------------------------------------------------------------------------
-
-    async def prewarm_forever(self) -> None:
-        """Copy chunks other nodes announce into this node's local tiers."""
-        if self.events is None:
-            return
-        while not await self.ensure_ready():
-            await asyncio.sleep(2)
-        target = self.watcher.target
-        assert target is not None
-        ours = namespace_prefix(target.namespace)
-        async for event in self.events.events(events_channel(target.namespace)):
-            if event.get("type") != "chunk_stored":
-                continue
-            keys = [key for k in event.get("keys", []) if isinstance(k, str) and (key := k.encode()).startswith(ours)]
-            copied = await self.store.prefetch(keys[:4096])
-            self.metrics.prewarmed.inc(copied)

@@ -150,7 +150,7 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
         plan = engine.follow_up(body, asked, want_slot=want, salt=salt, since=started)
     if plan is None:
         try:
-            prompt = await engine.prompt_for(kind, body)
+            prompt = await engine.prompts.prompt_for(kind, body)
         except LlamaServerError as exc:
             log.info("not cacheable (%s); passing through", exc)
             prompt = None

@@ -52,6 +52,7 @@ class Slot:
     asked: Asked = ()  # the request whose answer the slot holds (forgotten with its tokens)
     tail: TailRecord | None = None  # the partial tail it stored or restored last
     resynced: int | None = None  # llama-server's token count when kvtier last read the slot again
+    saving: bool = False  # busy with the save after an answer (the request itself is done)
 
 
 @dataclass(slots=True, eq=False)
@@ -101,11 +102,20 @@ class SlotTable:
     def queue_depth(self) -> int:
         return len(self._waiters)
 
-    def _choose(self, tokens: np.ndarray, want: int | None, owner: str) -> Lease | None:
+    def _choose(self, tokens: np.ndarray, want: int | None, owner: str) -> Lease | int | None:
+        """The lease for the best idle slot; or the id of a slot whose save is running and which
+        holds more of ``tokens`` than any idle one (worth the few milliseconds its save still
+        takes: the next turn of a conversation keeps its own slot); None when nothing is idle."""
         idle = [s for s in self.slots if not s.busy and (want is None or s.id == want)]
+        scored = [(common_prefix(s.tokens, tokens) if s.owner == owner else 0, -s.last_used, s) for s in idle]
+        best_prefix = max((x[0] for x in scored), default=0)
+        saving = [(common_prefix(s.tokens, tokens), s.id) for s in self.slots
+                  if s.saving and s.owner == owner and (want is None or s.id == want)]
+        wait_for = max(saving, default=(0, -1))
+        if wait_for[0] > best_prefix:
+            return wait_for[1]
         if not idle:
             return None
-        scored = [(common_prefix(s.tokens, tokens) if s.owner == owner else 0, -s.last_used, s) for s in idle]
         best_prefix, _, best = max(scored, key=lambda x: (x[0], x[1]))
         if best_prefix == 0:
             best = min(idle, key=lambda s: s.last_used)
@@ -127,11 +137,12 @@ class SlotTable:
         t0 = self._clock()
         if not self._waiters:
             lease = self._choose(tokens, want, owner)
-            if lease is not None:
+            if isinstance(lease, Lease):
                 return lease
         fut: asyncio.Future[Lease] = asyncio.get_running_loop().create_future()
         entry = (fut, tokens, want, owner)
         self._waiters.append(entry)
+        self._wake()  # those ahead may wait for one slot in particular: this one may still go now
         try:
             lease = await asyncio.wait_for(asyncio.shield(fut), timeout)
         except (TimeoutError, asyncio.CancelledError):
@@ -183,10 +194,10 @@ class SlotTable:
                 self._waiters.remove(entry)
                 continue
             lease = self._choose(tokens, want, owner)
-            if lease is None:
-                if want is None:
+            if not isinstance(lease, Lease):
+                if lease is None and want is None:
                     return  # nothing idle at all
-                continue
+                continue  # waiting for one slot in particular: the others keep their turn
             self._waiters.remove(entry)
             fut.set_result(lease)
 

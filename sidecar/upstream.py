@@ -16,6 +16,7 @@ import re
 import socket
 import ssl
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterable
 from urllib.parse import urlsplit
 
@@ -56,6 +57,7 @@ class Upstream:
         self.keepalive_s = keepalive_s
         self.connect_timeout = connect_timeout
         self._idle: collections.deque[_Connection] = collections.deque()
+        self._open: weakref.WeakSet[_Connection] = weakref.WeakSet()
         self._active = asyncio.Semaphore(max_active)
         self._closed = False
 
@@ -131,7 +133,17 @@ class Upstream:
         context = ssl.create_default_context() if self.ssl else None
         _, conn = await asyncio.wait_for(
             loop.create_connection(_Connection, self.host, self.port, ssl=context), self.connect_timeout)
+        self._open.add(conn)
         return conn
+
+    def witness(self) -> _Connection | None:
+        """A connection to the server that is open now (idle or answering), or None.
+
+        While it stays open the process behind it has not restarted: its sockets die with it. The
+        server watcher holds one to know, at the cost of an attribute read per request, that
+        llama-server is still the one it learned (sidecar/watcher.py).
+        """
+        return next((c for c in self._open if not c.closed), None)
 
     def put_back(self, conn: _Connection) -> None:
         if self._closed or conn.closed or len(self._idle) >= MAX_IDLE:

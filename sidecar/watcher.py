@@ -3,6 +3,15 @@
 ``ServerWatcher.probe`` learns them (at start-up, and again after llama-server changed);
 ``check_server`` notices a server that restarted or changed under a running sidecar, and slots
 that were used without kvtier.
+
+Before any request uses the cache, ``ensure_ready`` makes sure the server is still the one kvtier
+learned: it holds a *witness*, one of the relay's open connections to llama-server. A process that
+exits takes its sockets with it, so while the witness is open nothing can have restarted and the
+check costs an attribute read. Once it closed (a restart, or only an idle connection let go after
+a few seconds), the next request first asks llama-server (``check_server``: its props, the model
+file's identity, what its slots hold) and is planned on the answer: after a restart the slots are
+empty, after another model the namespace is learned again. ``epoch`` counts such changes, so a
+save can tell that the server it reads is no longer the one its request was planned for.
 """
 
 from __future__ import annotations
@@ -10,9 +19,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -35,6 +44,13 @@ def _signature(props: Mapping[str, Any]) -> tuple[str, ...]:
     return tuple(str(props.get(k, "")) for k in ("model_path", "build_info", "total_slots", "model_ftype"))
 
 
+class Witness(Protocol):
+    """Something whose ``closed`` turns true if llama-server restarts (a connection to it)."""
+
+    @property
+    def closed(self) -> bool: ...
+
+
 @dataclass(frozen=True, slots=True)
 class Target:
     """What kvtier learned about its llama-server at start-up (or after it restarted)."""
@@ -55,7 +71,8 @@ class Target:
 class ServerWatcher:
     """Learns the llama-server (``target``) and what its slots hold (``slots``), and keeps both true."""
 
-    def __init__(self, settings: Settings, client: LlamaServerClient, files: SlotFiles, prompts: PromptTokens):
+    def __init__(self, settings: Settings, client: LlamaServerClient, files: SlotFiles, prompts: PromptTokens,
+                 witness: Callable[[], Witness | None] | None = None):
         self.settings = settings
         self.client = client
         self.files = files
@@ -63,22 +80,40 @@ class ServerWatcher:
         self.target: Target | None = None
         self.slots: SlotTable | None = None
         self.last_error = ""
+        self.epoch = 0  # bumped whenever the server kvtier plans for changed (restart, model, slots)
         self._signature: tuple[str, ...] = ()
         self._lock = asyncio.Lock()
+        self._witness_of = witness  # None: no such signal; the health watcher's checks alone
+        self._witness: Witness | None = None
+        self._warned_unreadable = False
+
+    @property
+    def confirmed(self) -> bool:
+        """Whether llama-server is known to be the process kvtier last checked."""
+        return self._witness_of is None or (self._witness is not None and not self._witness.closed)
+
+    def doubt(self) -> None:
+        """Something suggests llama-server changed (an answer reused less than planned): check
+        again before the next request."""
+        self._witness = None
 
     async def ensure_ready(self) -> bool:
-        """Probe llama-server if not done yet; False while it cannot be probed."""
-        if self.target is not None:
+        """Learn llama-server if not done yet, and confirm it is still the same one; False while
+        it cannot be reached or learned."""
+        if self.target is not None and self.confirmed:
             return True
         async with self._lock:
-            if self.target is not None:
-                return True
             try:
-                await self.probe()
+                if self.target is not None and not self.confirmed:
+                    await self.check_server()
+                if self.target is None:
+                    await self.probe()
             except (KVTierError, OSError, ValueError) as exc:
                 self.last_error = str(exc)
                 log.warning("llama-server not ready for caching: %s", exc)
                 return False
+            if self._witness_of is not None and not self.confirmed:
+                self._witness = self._witness_of()
         return True
 
     async def probe(self) -> None:
@@ -121,6 +156,7 @@ class ServerWatcher:
                              layout.bytes_per_token, n_ctx)
         self._signature = _signature(props)
         self.slots = table
+        self.epoch += 1
         log.info("llama-server: %d slots, n_stream %d, v_trans %s, %d bytes/token, namespace %s",
                  n_slots, self.target.n_stream, self.target.v_trans, layout.bytes_per_token, ns.id)
 
@@ -129,17 +165,43 @@ class ServerWatcher:
             return "id:" + self.settings.model_id
         path = self.settings.model or model_path
         if path and os.path.isfile(path):
-            return model_identity(path)
+            return model_identity(path)  # cached by the file's size and mtime: a replaced file is rehashed
         # The sidecar cannot read the model file: fall back to what llama-server says of it. Two
         # fine-tunes of one base with the same file name would collide, hence the warning.
-        log.warning("model file %r not readable here; identity from llama-server's metadata "
-                    "(set --model or --model-id to be exact)", path)
+        if not self._warned_unreadable:
+            self._warned_unreadable = True
+            log.warning("model file %r not readable here; identity from llama-server's metadata "
+                        "(set --model or --model-id to be exact)", path)
         return "meta:" + "|".join(str(props.get(k, "")) for k in ("model_path", "model_ftype", "bos_token",
                                                                   "eos_token", "chat_template"))
+
+    async def watch_forever(self, interval: float) -> None:
+        """Every ``interval`` seconds: is llama-server up, did it restart or change (``check_server``),
+        and, once it is back, learn it again."""
+        was_up = True
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.client.health()
+                up = True
+            except LlamaServerError:
+                up = False
+            try:
+                if up and not was_up:
+                    log.info("llama-server is back: relearning its slots")
+                    self.forget()
+                if up and self.target is not None:
+                    await self.check_server()
+                if up and self.target is None:
+                    await self.ensure_ready()
+            except (LlamaServerError, OSError) as exc:
+                log.debug("health watcher: %s", exc)
+            was_up = up
 
     def forget(self) -> None:
         """llama-server restarted: its slots are empty, and the layout must be learned again."""
         self.target = None
+        self.epoch += 1
 
     async def check_server(self) -> None:
         """Notice a llama-server that restarted or changed under us (the health watcher calls this).
@@ -155,7 +217,8 @@ class ServerWatcher:
         if self.target is None or table is None:
             return
         props = await self.client.props()
-        if _signature(props) != self._signature:
+        if (_signature(props) != self._signature
+                or self._model_id(str(props.get("model_path") or ""), props) != self.target.model_id):
             log.warning("llama-server changed (model, build or slots): relearning it")
             self.forget()
             return
@@ -183,6 +246,7 @@ class ServerWatcher:
                 if await self._resync(table, slot_id):
                     log.info("slot %d was used without kvtier: it now holds %d tokens", slot_id, int(held))
         if lost:
+            self.epoch += 1
             log.info("%d slot(s) no longer hold what kvtier recorded (llama-server restarted?)", lost)
 
     async def _resync(self, table: SlotTable, slot_id: int) -> bool:

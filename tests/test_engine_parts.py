@@ -233,3 +233,20 @@ async def test_a_reference_into_another_namespace_or_a_gone_value_restores_nothi
     await store.delete_everywhere([f"kvtier:{other.id}:c:{prefix_chain(other, lg.tokens, 2)[1].hex()}".encode()])
     got = await kvflow.fetch_prefix(store, other, found)
     assert got.n_tokens == 64
+
+
+async def test_a_next_turn_waits_for_its_own_slots_save_and_blocks_no_one() -> None:
+    table = SlotTable(2)
+    history = np.arange(100, dtype=np.int32)
+    first = await table.acquire(history)
+    table.set_tokens(first.slot, history)
+    table.slots[first.slot].saving = True  # the answer is out; its save runs
+    next_turn = asyncio.create_task(table.acquire(np.arange(120, dtype=np.int32)))
+    await asyncio.sleep(0)
+    assert not next_turn.done() and table.queue_depth == 1  # the idle slot holds nothing of it
+    other = await asyncio.wait_for(table.acquire(np.arange(500, 600, dtype=np.int32)), 1)  # not held up
+    assert other.slot != first.slot
+    table.slots[first.slot].saving = False
+    first.release()
+    lease = await asyncio.wait_for(next_turn, 1)
+    assert (lease.slot, lease.cached_tokens) == (first.slot, 100)

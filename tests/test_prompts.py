@@ -262,7 +262,7 @@ async def test_a_template_rendered_with_other_arguments_is_left_to_llama_server(
         async with run_sidecar(settings_for(same)) as sc:
             assert await sc.engine.ensure_ready()
             assert sc.engine.prompts.render_here  # this template renders the same here
-            prompt = await sc.engine.prompt_for("chat", body)
+            prompt = await sc.engine.prompts.prompt_for("chat", body)
             assert prompt is not None and prompt.rendered_here
             assert np.array_equal(prompt.tokens, await sc.engine.client.tokenize(
                 await sc.engine.client.apply_template(body)))
