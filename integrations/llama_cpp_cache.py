@@ -48,7 +48,7 @@ from tiers.events import EventBus
 from tiers.keys import Namespace, as_token_array, common_prefix
 from tiers.memory import MemoryTier
 from tiers.redis_backend import RedisBackend
-from tiers.sessions import SessionStore
+from tiers.sessions import Manifest, SessionStore
 from tiers.store import StoreResult, TieredStore
 
 from . import kvflow
@@ -63,7 +63,7 @@ from .llama_cpp_state import (
     read_seq_image,
     whole_state_bytes,
 )
-from .statefile import parse_state
+from .statefile import SeqState, parse_state
 
 log = logging.getLogger("kvtier.llama_cpp")
 T = TypeVar("T")
@@ -362,7 +362,7 @@ class KVTierCache(BaseLlamaCache):
         self.counters.lookups += 1
         tokens = as_token_array(key)
         try:
-            fetched = self._fetch_prefix(tokens)
+            fetched = self._fetch_prefix(tokens, common_prefix(context_tokens(self.llm), tokens))
             if fetched is None:
                 raise KeyError("no stored prefix longer than what the context holds")
             image = assemble_state(fetched.payloads, tokens, v_trans=self.info.v_trans, n_stream=self.info.n_stream)
@@ -422,44 +422,13 @@ class KVTierCache(BaseLlamaCache):
 
     # -- sessions -------------------------------------------------------------------------------
 
-    def save_session(self, session_id: str) -> Any:
-        """Save the bound ``Llama``'s whole sequence as a session (chunks, partial tail, manifest).
-
-        The manifest is the sidecar's (``tiers.sessions``): with Redis, a sidecar's
-        ``POST /v1/sessions/{id}/restore`` restores it into a llama-server, and the reverse.
-
-        Returns:
-            The ``tiers.sessions.Manifest``.
-
-        Raises:
-            ValueError: a bad session id or an empty context. KVTierError: the store failed.
-        """
-        tokens = context_tokens(self.llm)
-        if tokens.size == 0:
-            raise ValueError("the context holds no tokens to save")
-        state = parse_state(read_seq_image(self.llm, tokens=tokens))
-        return self.store.call(kvflow.save_session(self.store.sessions, self.namespace, session_id, state,
-                                                   node=self.node_id, events=self.store.events), None)
+    def save_session(self, session_id: str) -> Manifest:
+        """``save_session(self.llm, session_id)``."""
+        return save_session(self.llm, session_id, cache=self)
 
     def restore_session(self, session_id: str) -> int:
-        """Restore a saved session into the bound ``Llama``; returns its token count.
-
-        Raises:
-            tiers.sessions.SessionNotFound / SessionIncomplete: no such session, or chunks are gone.
-            RestoreError: llama.cpp rejected the state (the context is then empty).
-        """
-        ns = self.namespace
-        sessions = self.store.sessions
-        manifest = self.store.call(sessions.load(ns, session_id), self.timeout)
-        payloads, _tier = self.store.call(sessions.fetch(ns, manifest), self.timeout)
-        image = assemble_state(payloads, manifest.tokens, v_trans=self.info.v_trans, n_stream=self.info.n_stream)
-        n = load_seq_image(self.llm, image)
-        self.counters.tokens_restored += n
-        try:
-            self.store.call(sessions.touch(ns, manifest), self.timeout)
-        except Exception as exc:  # only last_used is lost
-            log.debug("touching session %s failed: %s", session_id, exc)
-        return n
+        """``restore_session(self.llm, session_id)``."""
+        return restore_session(self.llm, session_id, cache=self)
 
     # -- lifecycle and stats --------------------------------------------------------------------
 
@@ -495,11 +464,9 @@ class KVTierCache(BaseLlamaCache):
         return self.store.call(kvflow.find_prefix(self.store.store, self.namespace, tokens, n_ctx=self.info.n_ctx),
                                self.timeout)
 
-    def _fetch_prefix(self, tokens: np.ndarray, have: int | None = None) -> kvflow.PrefixFetched | None:
+    def _fetch_prefix(self, tokens: np.ndarray, have: int) -> kvflow.PrefixFetched | None:
         """Verified payloads of the longest stored prefix of ``tokens`` (chunks and a partial tail)
         when longer than ``have``."""
-        if have is None:
-            have = common_prefix(context_tokens(self.llm), tokens)
         if kvflow.restorable_tokens(int(tokens.size), self.info.n_ctx) <= have:
             return None
         store, ns, n_ctx = self.store.store, self.namespace, self.info.n_ctx
@@ -527,24 +494,14 @@ class KVTierCache(BaseLlamaCache):
     def _save(self, key: np.ndarray, value: LlamaState | None) -> StoreResult | None:
         t0 = time.perf_counter()
         llm, ns = self.llm, self.namespace
-        held = context_tokens(llm)
-        if held.size and held.size <= key.size and np.array_equal(held, key[: held.size]):
-            tokens, source = held, "context"
-        elif value is not None and int(value.n_tokens) >= ns.chunk_tokens:
-            # Not what the bound Llama holds (another Llama shares this cache): the value's own bytes.
-            tokens, source = as_token_array(np.asarray(value.input_ids[: value.n_tokens])), "value"
-        else:
+        picked = _state_to_store(llm, self.info.arch_header, key, value, ns.chunk_tokens)
+        if picked is None:
             return None
-        if tokens.size < ns.chunk_tokens:
-            return None
-        if source == "context":
-            image = read_seq_image(llm, tokens=tokens)
-        else:
-            assert value is not None
-            image = image_from_llama_state(value, self.info.arch_header)
-        state = parse_state(image)
+        tokens, state = picked
         if state.split_reason is not None:
-            self._warn_once(state.split_reason, "state not stored: %s", state.split_reason)
+            if state.split_reason not in self._warned:  # once per reason: every completion would repeat it
+                self._warned.add(state.split_reason)
+                log.warning("state not stored: %s", state.split_reason)
             return None
         previous, self._held = self._held, tokens.copy()
         stored = self.store.call(kvflow.store_state(self.store.store, ns, state, events=self.store.events,
@@ -566,13 +523,26 @@ class KVTierCache(BaseLlamaCache):
         self.counters.errors += 1
         log.warning("kvtier %s failed, the prompt is evaluated without it: %s", step, exc)
 
-    def _warn_once(self, key: str, message: str, *args: object) -> None:
-        if key not in self._warned:
-            self._warned.add(key)
-            log.warning(message, *args)
-
 
 # -- module-level helpers -------------------------------------------------------------------------
+
+
+def _state_to_store(llm: Llama, arch_header: bytes, key: np.ndarray, value: LlamaState | None,
+                    chunk_tokens: int) -> tuple[np.ndarray, SeqState] | None:
+    """The state ``cache[key] = value`` should store: the bound context's sequence when it holds
+    ``key``'s start (read per sequence, cheaper than ``value``'s whole-context copy), else the
+    value's own bytes (another ``Llama`` shares this cache); None when it holds no full chunk."""
+    held = context_tokens(llm)
+    if held.size and held.size <= key.size and np.array_equal(held, key[: held.size]):
+        tokens, image = held, None
+    elif value is not None and int(value.n_tokens) >= chunk_tokens:
+        tokens, image = as_token_array(np.asarray(value.input_ids[: value.n_tokens])), value
+    else:
+        return None
+    if tokens.size < chunk_tokens:
+        return None
+    raw = read_seq_image(llm, tokens=tokens) if image is None else image_from_llama_state(image, arch_header)
+    return tokens, parse_state(raw)
 
 
 def _cache_of(llm: Llama, cache: KVTierCache | None) -> KVTierCache:
@@ -584,17 +554,43 @@ def _cache_of(llm: Llama, cache: KVTierCache | None) -> KVTierCache:
     return cache
 
 
-def save_session(llm: Llama, session_id: str, *, cache: KVTierCache | None = None) -> Any:
-    """Save what ``llm`` holds as session ``session_id`` (the sidecar's session manifests).
+def save_session(llm: Llama, session_id: str, *, cache: KVTierCache | None = None) -> Manifest:
+    """Save what ``llm`` holds as session ``session_id``: chunks, partial tail, manifest.
 
-    Uses ``cache`` or the ``KVTierCache`` set on ``llm``. Returns the ``tiers.sessions.Manifest``.
+    Uses ``cache`` or the ``KVTierCache`` set on ``llm``. The manifest is the sidecar's
+    (``tiers.sessions``): with Redis, a sidecar's ``POST /v1/sessions/{id}/restore`` restores it into
+    a llama-server, and the reverse.
+
+    Raises:
+        ValueError: a bad session id or an empty context. KVTierError: the store failed.
     """
-    return _cache_of(llm, cache).save_session(session_id)
+    c = _cache_of(llm, cache)
+    tokens = context_tokens(llm)
+    if tokens.size == 0:
+        raise ValueError("the context holds no tokens to save")
+    state = parse_state(read_seq_image(llm, tokens=tokens))
+    return c.store.call(kvflow.save_session(c.store.sessions, c.namespace, session_id, state, node=c.node_id,
+                                            events=c.store.events), None)
 
 
 def restore_session(llm: Llama, session_id: str, *, cache: KVTierCache | None = None) -> int:
     """Restore session ``session_id`` into ``llm``; returns the tokens it now holds.
 
     The next completion whose prompt starts with the session's tokens evaluates only the rest.
+
+    Raises:
+        tiers.sessions.SessionNotFound / SessionIncomplete: no such session, or chunks are gone.
+        RestoreError: llama.cpp rejected the state (the context is then empty).
     """
-    return _cache_of(llm, cache).restore_session(session_id)
+    c = _cache_of(llm, cache)
+    ns, sessions = c.namespace, c.store.sessions
+    manifest = c.store.call(sessions.load(ns, session_id), c.timeout)
+    payloads, _tier = c.store.call(sessions.fetch(ns, manifest), c.timeout)
+    image = assemble_state(payloads, manifest.tokens, v_trans=c.info.v_trans, n_stream=c.info.n_stream)
+    n = load_seq_image(llm, image)
+    c.counters.tokens_restored += n
+    try:
+        c.store.call(sessions.touch(ns, manifest), c.timeout)
+    except Exception as exc:  # only last_used is lost
+        log.debug("touching session %s failed: %s", session_id, exc)
+    return n
