@@ -3,6 +3,9 @@
 Without one, every request would wait out connect timeouts and retries of an unreachable Redis; with
 one, the tier answers misses at once for a back-off window, then lets a single probe through
 (half-open). A successful probe closes the breaker; a failed one reopens it for a longer window.
+The window doubles up to ``max_reset_timeout`` because a caller's probe makes that caller wait on
+a dead backend; probes no caller waits on (``background_probe_due``, every ``reset_timeout``)
+let the owner notice a backend that is back long before a long window ends.
 The clock is injected so tests can drive the windows without sleeping.
 """
 
@@ -64,6 +67,7 @@ class CircuitBreaker:
         self._failures = 0
         self._window = self.reset_timeout
         self._open_until = 0.0
+        self._next_background = 0.0
         self._opened = 0
         self._skipped = 0
 
@@ -103,6 +107,19 @@ class CircuitBreaker:
             elif self._state is BreakerState.CLOSED and self._failures >= self.failure_threshold:
                 self._trip()
 
+    def background_probe_due(self) -> bool:
+        """True, at most once per ``reset_timeout``, while the breaker is open: time for a probe no
+        caller waits on. Its owner runs it and calls ``record_success`` when it succeeds (a failed
+        one changes nothing: callers are not kept out longer for it)."""
+        with self._lock:
+            if self._state is not BreakerState.OPEN:
+                return False
+            now = self._clock()
+            if now < self._next_background:
+                return False
+            self._next_background = now + self.reset_timeout
+            return True
+
     def release_probe(self) -> None:
         """The probe ended without a verdict (cancelled): let the next call probe at once."""
         with self._lock:
@@ -112,7 +129,9 @@ class CircuitBreaker:
 
     def _trip(self) -> None:
         self._state = BreakerState.OPEN
-        self._open_until = self._clock() + self._window
+        now = self._clock()
+        self._open_until = now + self._window
+        self._next_background = now + self.reset_timeout
         self._opened += 1
 
     def stats(self) -> BreakerStats:

@@ -150,6 +150,7 @@ class RedisConnection:
         socket_read_size = _count("socket_read_size", socket_read_size, 4096)
         self.breaker = CircuitBreaker(breaker_failures, breaker_reset, breaker_max_reset, clock)
         self._errors = 0
+        self._probe: asyncio.Task[None] | None = None  # the background probe while the breaker is open
         self._closing = asyncio.Event()
         self._closed = False
         t = self.target
@@ -222,6 +223,7 @@ class RedisConnection:
         if self._closed:
             raise TierUnavailable(f"redis {self.url}: closed")
         if not self.breaker.allow():
+            self._probe_in_background()
             raise TierUnavailable(f"redis: circuit open, {self.url} skipped")
         was_closed = self.breaker.closed
         try:
@@ -264,6 +266,25 @@ class RedisConnection:
         self.breaker.record_success()
         if not was_closed:
             log.warning("redis %s reachable again; breaker closed", self.url)
+
+    def _probe_in_background(self) -> None:
+        """While calls are skipped, PING now and then (``CircuitBreaker.background_probe_due``) in a
+        task no caller waits on, so a Redis that is back is used again within ``breaker_reset``
+        seconds, not after the whole (up to ``breaker_max_reset``) open window."""
+        if self._probe is not None and not self._probe.done():
+            return
+        if self.breaker.background_probe_due():
+            self._probe = asyncio.get_running_loop().create_task(self._background_probe(), name="kvtier-redis-probe")
+
+    async def _background_probe(self) -> None:
+        try:
+            await self.client.ping()
+        except Exception as exc:
+            log.debug("redis %s: background probe failed: %s", self.url, exc)
+            return
+        if not self.breaker.closed and not self._closed:
+            self.breaker.record_success()
+            log.warning("redis %s reachable again (background probe); breaker closed", self.url)
 
     async def pipeline(self, op: str, fill: Callable[[AnyPipeline], object]) -> list[Any]:
         """One non-transactional pipeline under ``run``; per-command errors come back as exception
@@ -315,6 +336,9 @@ class RedisConnection:
             return
         self._closed = True
         self._closing.set()
+        if self._probe is not None:
+            self._probe.cancel()
+            await asyncio.wait({self._probe}, timeout=1.0)
         with suppress(Exception):
             await self.client.aclose()
         if self._sentinel is not None:
