@@ -8,6 +8,9 @@ the sidecar shares that directory (ideally on tmpfs). Every name kvtier uses sta
 from __future__ import annotations
 
 import asyncio
+import errno
+import logging
+import os
 import time
 import uuid
 from collections.abc import Sequence
@@ -19,7 +22,10 @@ from integrations.llama_server import LlamaServerClient
 from integrations.statefile import SeqState, parse_state
 from tiers.errors import KVTierError
 
+log = logging.getLogger("kvtier.engine")
+
 FILE_PREFIX = "kvtier-"  # every file kvtier writes into the slot dir; names never come from clients
+KEEP_SHARE_OF_FREE = 0.5  # kept restore files take at most this share of the slot dir's free space at start
 
 
 def _read_and_remove(path: Path) -> bytes:
@@ -47,13 +53,19 @@ class SlotFiles:
     Args:
         client: the llama-server the directory belongs to.
         slot_dir: the directory llama-server was given as ``--slot-save-path``.
-        keep_bytes: restore files left in the directory for the slot's next restore (bytes).
+        keep_bytes: restore files left in the directory for the slot's next restore (bytes); at
+            most half the directory's free space at start, so that a save of a state as large as
+            a kept one still fits beside it.
+
+    Kept files yield to saves: a save or a restore file that fails while files are kept removes
+    them and tries once more (llama-server tells no ENOSPC apart from other failures).
     """
 
     def __init__(self, client: LlamaServerClient, slot_dir: Path, keep_bytes: int):
         self.client = client
         self.slot_dir = slot_dir
-        self.keep_bytes = keep_bytes
+        free = _free_bytes(slot_dir)
+        self.keep_bytes = keep_bytes if free is None else min(keep_bytes, int(free * KEEP_SHARE_OF_FREE))
         self._kept: dict[int, int] = {}  # slot -> bytes of its restore file left in the slot dir
         self._locks: dict[int, asyncio.Lock] = {}
 
@@ -67,7 +79,13 @@ class SlotFiles:
         name = f"{FILE_PREFIX}{purpose}-{slot}-{uuid.uuid4().hex[:12]}.bin"
         path = self.slot_dir / name
         try:
-            await self.client.save_slot(slot, name)
+            try:
+                await self.client.save_slot(slot, name)
+            except Exception as exc:
+                if not await self._free_kept(f"saving slot {slot} failed ({exc})"):
+                    raise
+                path.unlink(missing_ok=True)
+                await self.client.save_slot(slot, name)
             try:
                 data = await asyncio.to_thread(_read_and_remove, path)
             except FileNotFoundError:
@@ -91,7 +109,13 @@ class SlotFiles:
         async with self._locks.setdefault(slot, asyncio.Lock()):
             try:
                 t0 = time.perf_counter()
-                nbytes = await asyncio.to_thread(write_pieces, path, pieces, overwrite=True)
+                try:
+                    nbytes = await asyncio.to_thread(write_pieces, path, pieces, overwrite=True)
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC or not await self._free_kept(
+                            f"writing slot {slot}'s restore file failed ({exc})", but=slot):
+                        raise
+                    nbytes = await asyncio.to_thread(write_pieces, path, pieces, overwrite=True)
                 t1 = time.perf_counter()
                 action = await self.client.restore_slot(slot, name)
                 t2 = time.perf_counter()
@@ -106,8 +130,31 @@ class SlotFiles:
         llama_s = action.ms / 1000 if action.ms > 0 else t2 - t1
         return RestoreIO(nbytes, t1 - t0, min(llama_s, t2 - t1), t2 - t1)
 
+    async def _free_kept(self, why: str, but: int | None = None) -> int:
+        """Remove the kept restore files (but slot ``but``'s, whose lock the caller holds), each
+        under its slot's lock; returns the bytes freed."""
+        freed = 0
+        for slot in [s for s in self._kept if s != but]:
+            async with self._locks.setdefault(slot, asyncio.Lock()):
+                nbytes = self._kept.pop(slot, 0)
+                if nbytes:
+                    (self.slot_dir / f"{FILE_PREFIX}restore-{slot}.bin").unlink(missing_ok=True)
+                    freed += nbytes
+        if freed:
+            log.warning("%s: removed %d bytes of kept restore files and tried again", why, freed)
+        return freed
+
     def remove_kept(self) -> None:
         """Remove the restore files kept for the next restores (at shutdown)."""
         for slot in list(self._kept):
             (self.slot_dir / f"{FILE_PREFIX}restore-{slot}.bin").unlink(missing_ok=True)
         self._kept.clear()
+
+
+def _free_bytes(path: Path) -> int | None:
+    """Bytes free for an unprivileged writer in ``path``'s file system (None when it cannot be told)."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
