@@ -121,23 +121,62 @@ async def find_prefix(store: TieredStore, namespace: Namespace, tokens: np.ndarr
 async def fetch_prefix(store: TieredStore, namespace: Namespace, found: PrefixFound, *,
                        promote: bool = False) -> PrefixFetched:
     """Fetch ``found``'s chunks and, beside them, its tail. A tail after a chunk that is gone or
-    damaged is left out (it continues that chunk, not the shorter prefix)."""
+    damaged is left out (it continues that chunk, not the shorter prefix).
+
+    Each payload must hold what its key names: chunk ``i`` the ``chunk_tokens`` cells from
+    position ``i * chunk_tokens``, the tail its token count from the end of the chunks. One that
+    does not (intact bytes the codec passed, but another chunk's cells: a forged or misfiled value)
+    is deleted from the tier it came from and counted like a damaged one, and the prefix ends
+    before it: the chunks ahead of it are still restored.
+    """
+    C = namespace.chunk_tokens
     tail = found.tail
-    fetched, tail_payload = await store.fetch_with_tail(
-        namespace, found.chunks.chunks, (tail.key, tail.hash) if tail is not None else None, promote=promote)
+    fetched, tail_value = await store.fetch_with_tail(
+        namespace, found.chunks.chunks, (tail.key, tail.hash) if tail is not None else None, promote=False)
+    fetched = await store.matching(fetched, content_mismatch, C)
+    if promote:
+        await store.promote(fetched)
     payloads = list(fetched.payloads)
     n_tokens = fetched.n_tokens
     tiers = set(fetched.tiers)
-    if tail is not None and tail_payload is not None and bytes(tail_payload[:4]) == REF_MAGIC:
-        tail_payload = await _resolve_ref(store, namespace, tail_payload, tail.n_tokens)
+    if tail is None or tail_value is None or fetched.n_chunks < found.chunks.n_chunks:
+        return PrefixFetched(payloads, n_tokens, frozenset(tiers), fetched, None)
+    tail_payload: bytes | memoryview | None = tail_value.payload
+    restored_tail: TailHit | None = tail
+    if bytes(tail_value.payload[:4]) == REF_MAGIC:
+        tail_payload = await _resolve_ref(store, namespace, tail_value.payload, tail.n_tokens, n_tokens)
         restored_tail = None  # the value a reference names is no tail of the context it is restored into
     else:
-        restored_tail = tail
-    if tail is None or tail_payload is None or fetched.n_chunks < found.chunks.n_chunks:
+        reason = content_mismatch(tail_value.payload, n_tokens, tail.n_tokens)
+        if reason is not None:
+            await store.reject(tail.key, tail_value.tier, reason)
+            tail_payload = None
+    if tail_payload is None:
         return PrefixFetched(payloads, n_tokens, frozenset(tiers), fetched, None)
     payloads.append(tail_payload)
-    tiers.add(tail.tier)
+    tiers.add(tail_value.tier)
     return PrefixFetched(payloads, n_tokens + tail.n_tokens, frozenset(tiers), fetched, restored_tail)
+
+
+def content_mismatch(payload: bytes | memoryview, first_pos: int, n_cells: int) -> str | None:
+    """None when ``payload`` is a chunk payload of the ``n_cells`` cells from ``first_pos`` (what
+    the key it was read under names), else what is wrong with it (a ``tiers.store.ContentCheck``)."""
+    try:
+        info = read_chunk_header(payload)
+    except (KVTierError, ValueError) as exc:
+        return f"not a chunk payload ({exc})"
+    if info.first_pos != first_pos or info.n_cells != n_cells:
+        return (f"it holds cells {info.first_pos}..{info.first_pos + info.n_cells - 1}, "
+                f"its key names {first_pos}..{first_pos + n_cells - 1}")
+    return None
+
+
+def _chunk_cells(payload: bytes | memoryview) -> int:
+    """The cell count a chunk payload's header gives (0 when it is no chunk payload)."""
+    try:
+        return read_chunk_header(payload).n_cells
+    except (KVTierError, ValueError):
+        return 0
 
 
 def _ref_payload(key: bytes, value_hash: bytes, n_cells: int) -> bytes:
@@ -145,24 +184,29 @@ def _ref_payload(key: bytes, value_hash: bytes, n_cells: int) -> bytes:
 
 
 async def _resolve_ref(store: TieredStore, namespace: Namespace, ref: bytes | memoryview,
-                       n_cells: int) -> bytes | memoryview | None:
-    """The first ``n_cells`` cells of the value a reference names; None when it is gone, damaged,
-    or the reference does not hold together (a foreign namespace, another cell count)."""
+                       n_cells: int, first_pos: int) -> bytes | memoryview | None:
+    """The first ``n_cells`` cells of the value a reference names, which must start at
+    ``first_pos``; None when it is gone, damaged, or the reference does not hold together (a
+    foreign namespace, another cell count). A value that holds other cells is rejected."""
     raw = bytes(ref)
     if len(raw) <= _REF.size:
         return None
     _, cells, value_hash, key = *_REF.unpack_from(raw), raw[_REF.size:]
     if cells != n_cells or not key.startswith(namespace_prefix(namespace)):
         return None
-    value = await store.get_verified(key, value_hash, namespace)
+    value = await store.read_verified(key, value_hash, namespace)
     if value is None:
         return None
-    try:
-        cut = first_cells(value, n_cells)
-    except (ValueError, KVTierError) as exc:
-        log.warning("a prefix reference names a value that cannot hold %d cells: %s", n_cells, exc)
-        return None
-    return cut if read_chunk_header(cut).n_cells == n_cells else None
+    reason = content_mismatch(value.payload, first_pos, _chunk_cells(value.payload))
+    if reason is None:
+        try:
+            cut = first_cells(value.payload, n_cells)
+        except (ValueError, KVTierError) as exc:
+            log.warning("a prefix reference names a value that cannot hold %d cells: %s", n_cells, exc)
+            return None
+        return cut if read_chunk_header(cut).n_cells == n_cells else None
+    await store.reject(key, value.tier, reason)
+    return None
 
 
 def prefix_refs(parent: bytes, tokens: np.ndarray, key: bytes, value_hash: bytes

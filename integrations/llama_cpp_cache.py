@@ -136,6 +136,8 @@ class SyncStore:
         shared_dir: a directory shared by the processes of this node (e.g. in /dev/shm); None: none.
         shared_bytes: capacity of the shared directory tier.
         compression: the blob codec's compression (``adaptive``, ``lz4``, ``zstd``, ``none``).
+        mac_key: a secret shared with every node and sidecar (the sidecar's ``--chunk-key``): values
+            carry a keyed MAC and values without a valid one are dropped (see ``BlobCodec``).
         drain_timeout: seconds ``close()`` waits for queued Redis writes.
     """
 
@@ -149,9 +151,10 @@ class SyncStore:
         shared_dir: str | os.PathLike[str] | None = None,
         shared_bytes: int | str = DEFAULT_SHARED_CAPACITY,
         compression: str = "adaptive",
+        mac_key: bytes | None = None,
         drain_timeout: float = DRAIN_TIMEOUT,
     ):
-        codec = BlobCodec(compression)
+        codec = BlobCodec(compression, mac_key=mac_key)
         memory = parse_size(memory_bytes, name="memory capacity")
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=_run_loop, args=(self._loop,), name="kvtier-llama-cpp", daemon=True)
@@ -223,7 +226,8 @@ class SyncStore:
     def sessions(self) -> SessionStore:
         """The ``tiers.sessions.SessionStore`` of this store (manifests in Redis when configured)."""
         if self._sessions is None:
-            self._sessions = SessionStore(self.store, self.backend.manifests if self.backend is not None else None)
+            self._sessions = SessionStore(self.store, self.backend.manifests if self.backend is not None else None,
+                                          check=kvflow.content_mismatch)
         return self._sessions
 
     def flush(self, timeout: float | None = 30.0) -> bool:
@@ -284,6 +288,7 @@ class KVTierCache(BaseLlamaCache):
         redis_ttl: seconds a chunk lives in Redis after its last use (None: no expiry).
         redis_options: further ``RedisTier`` keyword arguments.
         compression: the blob codec's compression.
+        mac_key: a secret shared by every node (see ``SyncStore``); ignored with ``store``.
         model_id: an explicit model identity (the sidecar's ``--model-id``); default: a hash of the
             GGUF file (``integrations.fingerprint.model_identity``), as the sidecar computes it.
         store: an existing ``SyncStore`` to share between caches (not closed by this cache).
@@ -307,6 +312,7 @@ class KVTierCache(BaseLlamaCache):
         redis_ttl: float | None = None,
         redis_options: Mapping[str, Any] | None = None,
         compression: str = "adaptive",
+        mac_key: bytes | None = None,
         model_id: str | None = None,
         store: SyncStore | None = None,
         timeout: float = DEFAULT_TIMEOUT,
@@ -322,7 +328,7 @@ class KVTierCache(BaseLlamaCache):
         self._owns_store = store is None
         self.store = store if store is not None else SyncStore(
             memory_bytes=capacity_bytes, redis_url=redis_url, redis_ttl=redis_ttl, redis_options=redis_options,
-            shared_dir=shared_dir, shared_bytes=shared_capacity, compression=compression,
+            shared_dir=shared_dir, shared_bytes=shared_capacity, compression=compression, mac_key=mac_key,
         )
         self.counters = CacheCounters()
         self.node_id = getattr(self.store.events, "node_id", None) or f"{socket.gethostname()}:{os.getpid()}"

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
+from integrations.kvflow import content_mismatch
 from integrations.llama_server import KEEPALIVE_S, LlamaServerClient
 from tiers.base import Tier
 from tiers.codec import BlobCodec
@@ -48,7 +49,8 @@ def build_store(settings: Settings) -> tuple[TieredStore, RedisBackend | None]:
         redis = RedisBackend.open(settings.redis_url, username=settings.redis_username,
                                   password=settings.redis_password, ttl=settings.ttl or None, node_id=settings.node_id)
         tiers.append(redis.tier)
-    store = TieredStore(tiers, BlobCodec(settings.compress), queue_limit=settings.queue_limit)
+    codec = BlobCodec(settings.compress, mac_key=settings.chunk_key.encode() if settings.chunk_key else None)
+    store = TieredStore(tiers, codec, queue_limit=settings.queue_limit)
     return store, redis
 
 
@@ -78,7 +80,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     metrics = app[METRICS]
     metrics.attach_store(store)
     engine = KVEngine(settings, LlamaServerClient(settings.llama_url, session), store, metrics,
-                      SessionStore(store, redis.manifests if redis is not None else None),
+                      SessionStore(store, redis.manifests if redis is not None else None, check=content_mismatch),
                       events=redis.events if redis is not None else None, witness=upstream.witness)
     app[UPSTREAM] = upstream
     app[STORE] = store

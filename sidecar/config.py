@@ -21,7 +21,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from tiers.base import parse_size
-from tiers.codec import COMPRESSIONS
+from tiers.codec import COMPRESSIONS, MIN_MAC_KEY_BYTES
 from tiers.errors import ConfigError
 from tiers.redis_urls import parse_redis_url, redacted_url
 
@@ -114,6 +114,10 @@ class Settings:
     chunk_tokens: int = _option(256, "tokens per prefix chunk", _int)
     compress: str = _option("adaptive", "adaptive, lz4, zstd or none")
     ttl: int = _option(86400, "seconds a chunk lives in Redis after its last hit (0 = no expiry)", _int)
+    chunk_key: str | None = _option(None, "secret shared by every node (16+ characters): stored values carry a keyed "
+                                          "MAC and values without a valid one are dropped (prefer the env var or a "
+                                          "file)", redact=_hidden)
+    chunk_key_file: str | None = _option(None, "file holding the chunk MAC secret")
     node_id: str = _option("", "name of this node in events and metrics (default: hostname)")
     model: str | None = _option(None, "path of the GGUF llama-server serves, to fingerprint it (default: from /props)")
     model_id: str | None = _option(None, "explicit model identity instead of hashing the GGUF")
@@ -203,6 +207,7 @@ def load_settings(argv: Sequence[str] | None = None, env: Mapping[str, str] | No
                               for name, value in given.items()}
     values["redis_password"] = _secret(values, "redis_password", "redis_password_file")
     values["auth_token"] = _secret(values, "auth_token", "auth_token_file")
+    values["chunk_key"] = _secret(values, "chunk_key", "chunk_key_file")
     if not values.get("node_id"):
         values["node_id"] = socket.gethostname()
     settings = Settings(**values)
@@ -269,6 +274,8 @@ def validate(s: Settings) -> None:
         raise ConfigError(f"compress must be one of {', '.join(COMPRESSIONS)}, got {s.compress!r}")
     if s.ttl < 0:
         raise ConfigError(f"ttl must not be negative, got {s.ttl}")
+    if s.chunk_key is not None and len(s.chunk_key.encode()) < MIN_MAC_KEY_BYTES:
+        raise ConfigError(f"chunk_key must be at least {MIN_MAC_KEY_BYTES} bytes")
     if s.eviction not in ("s3fifo", "lru"):
         raise ConfigError(f"eviction must be s3fifo or lru, got {s.eviction!r}")
     if s.local_tokenizer not in ("auto", "off"):

@@ -34,6 +34,8 @@ SAMPLES: dict[str, tuple[Any, Any]] = {
     "chunk_tokens": ("64", 64),
     "compress": ("none", "none"),
     "ttl": ("60", 60),
+    "chunk_key": ("a-secret-of-16-bytes-or-more", "a-secret-of-16-bytes-or-more"),
+    "chunk_key_file": (None, None),  # a path, filled in by the test
     "node_id": ("node-7", "node-7"),
     "model": ("/models/m.gguf", "/models/m.gguf"),
     "model_id": ("my-model", "my-model"),
@@ -62,7 +64,7 @@ def _given(name: str, tmp_path: Path) -> tuple[dict[str, Any], Any]:
     text, expected = SAMPLES[name]
     if name.endswith("_file"):
         secret = tmp_path / "secret"
-        secret.write_text("from-a-file\n")
+        secret.write_text("from-a-file, 16+ bytes\n")  # chunk_key needs 16
         text = expected = str(secret)
     return {"slot_dir": str(tmp_path), **NEEDS.get(name, {}), name: text}, expected
 

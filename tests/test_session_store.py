@@ -222,9 +222,12 @@ async def test_bad_input_and_damaged_manifests(node: Node) -> None:
 
 async def test_unreachable_redis_is_not_a_missing_session(flushed: RedisProc, peer: Node) -> None:
     await peer.save("up", TOKENS)
+    other, _ = await make_node(flushed.url)
     flushed.stop()
     try:
-        with pytest.raises(TierUnavailable):
-            await peer.sessions.load(NS, "up")
+        with pytest.raises(TierUnavailable):  # a node without a copy cannot tell
+            await other.sessions.load(NS, "up")
+        assert (await peer.sessions.load(NS, "up")).n_tokens == len(TOKENS)  # the copy of the node that saved it
     finally:
         flushed.start()
+        await other.store.aclose()

@@ -3,7 +3,7 @@
 Header (little-endian, 56 bytes)::
 
     0   4s  magic  b"KVTB"
-    4   B   format version (1)
+    4   B   format version (1; 2 with a MAC, below)
     5   B   codec: 0 none, 1 lz4 (block), 2 zstd
     6   H   flags (see ``Flags``)
     8   Q   raw payload length
@@ -13,13 +13,23 @@ Header (little-endian, 56 bytes)::
     40  8s  namespace id (first 8 bytes of the namespace digest)
     48  Q   xxh3-64 of header bytes 0..47 and the stored payload
 
-A reader checks magic, version, codec, hash, namespace and checksum before it returns a byte, so a
-damaged or foreign value is a ``CodecError``, never data. Nothing is ever pickled.
+Format version 2 (a keyed codec, ``mac_key``) adds 32 bytes after that header::
+
+    56  32s BLAKE2b-256 keyed with the shared secret, of header bytes 0..55 and the stored payload
+
+A reader checks magic, version, codec, hash, namespace and checksum (and, when keyed, the MAC)
+before it returns a byte, so a damaged or foreign value is a ``CodecError``, never data. The
+checksum finds damage, not intent: anyone who can write to the store can write a value with a
+valid checksum. Only the MAC tells a value kvtier wrote from one written by someone without the
+secret. Readers are strict both ways: a keyed codec refuses unkeyed (version 1) values, an unkeyed
+one refuses keyed (version 2) values it cannot check. Nothing is ever pickled.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
+import hmac
 import struct
 from dataclasses import dataclass
 from types import ModuleType
@@ -31,10 +41,13 @@ import xxhash
 from .errors import CodecError, ConfigError
 
 MAGIC = b"KVTB"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 1  # checksum only
+FORMAT_VERSION_MAC = 2  # checksum and a keyed MAC (BlobCodec(mac_key=...))
 _HEAD = struct.Struct("<4sBBHQII16s8s")
 _SUM = struct.Struct("<Q")
 HEADER_SIZE = _HEAD.size + _SUM.size  # 56
+MAC_SIZE = 32  # BLAKE2b-256
+MIN_MAC_KEY_BYTES = 16  # a shorter shared secret is a configuration mistake
 MAX_RAW_BYTES = 1 << 34  # 16 GiB: anything larger in a header is damage, not data
 
 # Adaptive mode compresses a sample first and keeps the raw payload when compression saves less than
@@ -88,9 +101,21 @@ class BlobCodec:
             or ``none``.
         min_saving: fraction of bytes compression must save to be kept.
         zstd_level: level for ``zstd``.
+        mac_key: a secret shared by every node (at least 16 bytes): values are written with a keyed
+            BLAKE2b MAC (format version 2) and only values carrying a valid one are read. None:
+            checksum only (format version 1).
+
+    Raises:
+        ConfigError: an unknown compression, a bad ``min_saving``, a short ``mac_key``.
     """
 
-    def __init__(self, compression: str = "adaptive", *, min_saving: float = MIN_SAVING, zstd_level: int = 1):
+    def __init__(self, compression: str = "adaptive", *, min_saving: float = MIN_SAVING, zstd_level: int = 1,
+                 mac_key: bytes | None = None):
+        if mac_key is not None and len(mac_key) < MIN_MAC_KEY_BYTES:
+            raise ConfigError(f"the chunk MAC key must be at least {MIN_MAC_KEY_BYTES} bytes")
+        # Keys of any length become one 32-byte BLAKE2b key (its limit is 64 bytes).
+        self._mac_key = None if mac_key is None else hashlib.blake2b(
+            mac_key, digest_size=32, person=b"kvtier-mac-key").digest()
         if compression not in COMPRESSIONS:
             raise ConfigError(f"unknown compression {compression!r}; choose one of {', '.join(COMPRESSIONS)}")
         if not 0.0 <= min_saving < 1.0:
@@ -102,6 +127,18 @@ class BlobCodec:
             zstd = _zstd_module()
             self._zstd_c = zstd.ZstdCompressor(level=zstd_level)
         self._zstd_level = zstd_level
+
+    @property
+    def keyed(self) -> bool:
+        """True when values carry (and must carry) a keyed MAC."""
+        return self._mac_key is not None
+
+    def _mac(self, *parts: bytes | memoryview) -> bytes:
+        assert self._mac_key is not None
+        m = hashlib.blake2b(key=self._mac_key, digest_size=MAC_SIZE)
+        for part in parts:
+            m.update(part)
+        return m.digest()
 
     # -- encode ---------------------------------------------------------------------------------
 
@@ -123,10 +160,14 @@ class BlobCodec:
             raise ValueError("n_tokens out of range")
         raw = memoryview(payload).cast("B")
         codec, body, flags = self._compress(raw, flags)
-        head = _HEAD.pack(MAGIC, FORMAT_VERSION, codec, int(flags), raw.nbytes, n_tokens, 0, chunk_hash, namespace_id)
+        version = FORMAT_VERSION if self._mac_key is None else FORMAT_VERSION_MAC
+        head = _HEAD.pack(MAGIC, version, codec, int(flags), raw.nbytes, n_tokens, 0, chunk_hash, namespace_id)
         h = xxhash.xxh3_64(head)
         h.update(body)
-        return b"".join((head, _SUM.pack(h.intdigest()), body))
+        head += _SUM.pack(h.intdigest())
+        if self._mac_key is None:
+            return b"".join((head, body))
+        return b"".join((head, self._mac(head, body), body))
 
     def _compress(self, raw: memoryview, flags: Flags) -> tuple[CodecId, bytes | memoryview, Flags]:
         mode = self.compression
@@ -162,8 +203,8 @@ class BlobCodec:
         """Verify and decode a blob.
 
         Raises:
-            CodecError: the blob is truncated, damaged, of another format version, or belongs to
-                another key or namespace.
+            CodecError: the blob is truncated, damaged, of another format version, belongs to
+                another key or namespace, or lacks the valid MAC a keyed codec asks for.
         """
         view = memoryview(blob).cast("B")
         if view.nbytes < HEADER_SIZE:
@@ -171,8 +212,15 @@ class BlobCodec:
         magic, version, codec, flags, raw_len, n_tokens, _, stored_hash, stored_ns = _HEAD.unpack_from(view)
         if magic != MAGIC:
             raise CodecError("not a kvtier blob (bad magic)")
-        if version != FORMAT_VERSION:
+        if version not in (FORMAT_VERSION, FORMAT_VERSION_MAC):
             raise CodecError(f"unsupported blob format version {version}")
+        if self._mac_key is not None and version != FORMAT_VERSION_MAC:
+            raise CodecError("blob carries no MAC, and this codec is keyed")
+        if self._mac_key is None and version == FORMAT_VERSION_MAC:
+            raise CodecError("blob carries a MAC, and this codec has no key to check it")
+        body_at = HEADER_SIZE + (MAC_SIZE if version == FORMAT_VERSION_MAC else 0)
+        if view.nbytes < body_at:
+            raise CodecError(f"blob too short ({view.nbytes} bytes)")
         if codec not in CodecId._value2member_map_:
             raise CodecError(f"unknown codec id {codec}")
         if raw_len > MAX_RAW_BYTES:
@@ -182,11 +230,14 @@ class BlobCodec:
         if namespace_id is not None and stored_ns != namespace_id:
             raise CodecError("blob belongs to another namespace")
         (checksum,) = _SUM.unpack_from(view, _HEAD.size)
-        body = view[HEADER_SIZE:]
+        body = view[body_at:]
         h = xxhash.xxh3_64(view[: _HEAD.size])
         h.update(body)
         if h.intdigest() != checksum:
             raise CodecError("checksum mismatch")
+        if self._mac_key is not None and not hmac.compare_digest(
+                self._mac(view[:HEADER_SIZE], body), view[HEADER_SIZE:body_at]):
+            raise CodecError("MAC mismatch (not written with this deployment's key)")
         payload: bytes | memoryview
         if codec == CodecId.NONE:
             if body.nbytes != raw_len:

@@ -5,12 +5,25 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 from .base import Tier
 from .codec import BlobCodec
 from .errors import CodecError
 
 log = logging.getLogger("kvtier.store")
+
+
+@runtime_checkable
+class RefreshingReads(Protocol):
+    """A tier whose reads extend a value's life (Redis's TTL) and can tell what it was before,
+    so that a value its reader rejects is not kept alive by the reads that reject it."""
+
+    async def get_many_with_ttl(self, keys: Sequence[bytes]) -> tuple[dict[bytes, bytes | memoryview],
+                                                                        dict[bytes, int]]: ...
+
+    async def reset_ttl(self, ttls: Mapping[bytes, int]) -> None: ...
+
 
 @dataclass(frozen=True, slots=True)
 class Verified:
@@ -46,8 +59,12 @@ class VerifiedReader:
 
     async def _read_tier(self, tier: Tier, hashes: Mapping[bytes, bytes],
                          namespace_id: bytes) -> dict[bytes, Verified]:
+        ttls: dict[bytes, int] = {}
         try:
-            got = await tier.get_many(list(hashes))
+            if isinstance(tier, RefreshingReads):
+                got, ttls = await tier.get_many_with_ttl(list(hashes))
+            else:
+                got = await tier.get_many(list(hashes))
         except Exception:  # a tier never fails a read
             log.warning("read from tier %s failed", tier.name, exc_info=True)
             return {}
@@ -63,13 +80,22 @@ class VerifiedReader:
             except CodecError as exc:
                 log.warning("damaged value %s in tier %s: %s (deleted)", key.decode(errors="replace"), tier.name, exc)
                 damaged.append(key)
-        if damaged:
-            self.corrupt += len(damaged)
-            try:
-                await tier.delete(damaged)
-            except Exception:
-                log.warning("could not delete damaged values from %s", tier.name, exc_info=True)
+        if damaged and isinstance(tier, RefreshingReads):
+            # Before the delete, which may fail: a rejected value keeps the life it had.
+            await tier.reset_ttl({k: ttls[k] for k in damaged if k in ttls})
+        await self.discard(tier, damaged)
         return found
+
+    async def discard(self, tier: Tier, keys: Sequence[bytes]) -> None:
+        """Delete values found damaged in ``tier`` and count them (``corrupt``); left in place they
+        would be found, and rejected, by every later read."""
+        if not keys:
+            return
+        self.corrupt += len(keys)
+        try:
+            await tier.delete(keys)
+        except Exception:
+            log.warning("could not delete damaged values from %s", tier.name, exc_info=True)
 
 
 class Promoter:

@@ -84,20 +84,35 @@ class RedisTier:
 
     async def get_many(self, keys: Sequence[bytes]) -> dict[bytes, bytes | memoryview]:
         """Values of the keys present (pipelined GETEX, refreshing their TTL); misses are absent."""
+        return (await self._get(keys, with_ttl=False))[0]
+
+    async def get_many_with_ttl(self, keys: Sequence[bytes]) -> tuple[dict[bytes, bytes | memoryview], dict[bytes, int]]:
+        """``get_many``, and the TTL (ms, -1: none) each value had before this read refreshed it,
+        for ``reset_ttl`` to give back to a value its reader rejects (one ``PTTL`` before each
+        ``GETEX`` in the same pipeline; nothing when the read refreshes nothing)."""
+        return await self._get(keys, with_ttl=True)
+
+    async def _get(self, keys: Sequence[bytes], *,
+                   with_ttl: bool) -> tuple[dict[bytes, bytes | memoryview], dict[bytes, int]]:
         if not keys:
-            return {}
+            return {}, {}
         t0 = time.perf_counter()
         try:
-            results = await self.connection.pipeline("get", lambda pipe: self._fill_get(pipe, keys))
+            results = await self.connection.pipeline("get", lambda pipe: self._fill_get(pipe, keys, with_ttl))
             if self._use_getex and self._refresh and any(_unknown_command(r) for r in results):
                 self._use_getex = False  # Redis < 6.2: pipelined GET + EXPIRE instead
                 log.info("redis %s has no GETEX; using GET + EXPIRE", self.url)
-                results = await self.connection.pipeline("get", lambda pipe: self._fill_get(pipe, keys))
+                results = await self.connection.pipeline("get", lambda pipe: self._fill_get(pipe, keys, with_ttl))
         except KVTierError:
             self._stats.add(misses=len(keys), get_seconds=time.perf_counter() - t0)
-            return {}
-        if self._refresh and not self._use_getex:
-            results = results[::2]
+            return {}, {}
+        ttls: dict[bytes, int] = {}
+        if self._refresh:
+            # Per key: [PTTL,] GETEX, or [PTTL,] GET, EXPIRE (servers without GETEX).
+            step = (1 if self._use_getex else 2) + with_ttl
+            if with_ttl:
+                ttls = {k: t for k, t in zip(keys, results[::step]) if isinstance(t, int) and (t > 0 or t == -1)}
+            results = results[int(with_ttl)::step]
         found: dict[bytes, bytes | memoryview] = {}
         errors = nbytes = 0
         for key, value in zip(keys, results):
@@ -108,22 +123,41 @@ class RedisTier:
                 nbytes += len(value)
         self._stats.add(hits=len(found), misses=len(keys) - len(found), bytes_out=nbytes, errors=errors,
                         get_seconds=time.perf_counter() - t0)
-        return found
+        return found, {k: t for k, t in ttls.items() if k in found}
+
+    async def reset_ttl(self, ttls: Mapping[bytes, int]) -> None:
+        """Give values the TTL (ms, -1: none) they had before a read refreshed it. Never raises."""
+        if not ttls:
+            return
+
+        def fill(pipe: AnyPipeline) -> None:
+            for key, ms in ttls.items():
+                if ms > 0:
+                    pipe.pexpire(key, ms)
+                else:
+                    pipe.persist(key)
+
+        try:
+            await self.connection.pipeline("pexpire", fill)
+        except KVTierError:
+            pass  # counted by the connection
 
     @property
     def _refresh(self) -> bool:
         return self.ttl is not None and self.refresh_on_hit
 
-    def _fill_get(self, pipe: AnyPipeline, keys: Sequence[bytes]) -> None:
+    def _fill_get(self, pipe: AnyPipeline, keys: Sequence[bytes], with_ttl: bool) -> None:
         if not self._refresh:
             for key in keys:
                 pipe.get(key)
-        elif self._use_getex:
-            for key in keys:
+            return
+        assert self.ttl is not None
+        for key in keys:
+            if with_ttl:
+                pipe.pttl(key)
+            if self._use_getex:
                 pipe.getex(key, ex=self.ttl)
-        else:
-            assert self.ttl is not None
-            for key in keys:
+            else:
                 pipe.get(key)
                 pipe.expire(key, self.ttl)
 

@@ -24,15 +24,19 @@ from .keys import (
     tail_key,
     whole_key,
 )
-from .reads import Promoter, VerifiedReader
+from .reads import Promoter, Verified, VerifiedReader
 from .writebehind import DEFAULT_QUEUE_LIMIT, Announce, WriteBehind
 
-__all__ = ["DEFAULT_QUEUE_LIMIT", "Announce", "FetchResult", "LookupResult", "PayloadSource", "StoreCounters",
-           "StoreResult", "TailHit", "TieredStore"]
+__all__ = ["DEFAULT_QUEUE_LIMIT", "Announce", "ContentCheck", "FetchResult", "LookupResult", "PayloadSource", "StoreCounters",
+           "StoreResult", "TailHit", "TieredStore", "Verified"]
 
 log = logging.getLogger("kvtier.store")
 
 PayloadSource = Callable[[int], bytes | bytearray | memoryview]
+# (payload, expected first position, expected cell count) -> None when the payload holds those
+# cells, else what is wrong: the engine's check that a value holds what its key names (tiers knows
+# bytes, not KV; ``integrations.kvflow.content_mismatch`` is the llama.cpp one).
+ContentCheck = Callable[[bytes | memoryview, int, int], str | None]
 _T = TypeVar("_T")
 
 
@@ -83,6 +87,13 @@ class FetchResult:
     @property
     def n_chunks(self) -> int:
         return len(self.payloads)
+
+    def first(self, n: int, chunk_tokens: int) -> FetchResult:
+        """The result of its first ``n`` chunks only (those after them were rejected)."""
+        if n >= self.n_chunks:
+            return self
+        return replace(self, payloads=self.payloads[:n], tiers=self.tiers[:n], n_tokens=n * chunk_tokens,
+                       bytes_read=sum(len(b) for b in self.blobs[:n]), keys=self.keys[:n], blobs=self.blobs[:n])
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,13 +200,13 @@ class TieredStore:
         return result
 
     async def fetch_with_tail(self, namespace: Namespace, chain: Sequence[ChunkHash], tail: tuple[bytes, bytes] | None,
-                              *, promote: bool = True) -> tuple[FetchResult, bytes | memoryview | None]:
-        """``fetch`` of ``chain`` and, beside it rather than after it, ``get_verified`` of a partial
+                              *, promote: bool = True) -> tuple[FetchResult, Verified | None]:
+        """``fetch`` of ``chain`` and, beside it rather than after it, ``read_verified`` of a partial
         tail given as (key, value hash); None for the tail when there is none, or it is gone or damaged."""
         fetching = self.fetch(namespace, chain, promote=promote)
         if tail is None:
             return await fetching, None
-        return await asyncio.gather(fetching, self.get_verified(tail[0], tail[1], namespace))
+        return await asyncio.gather(fetching, self.read_verified(tail[0], tail[1], namespace))
 
     async def promote(self, fetched: FetchResult) -> None:
         """Copy the chunks ``fetched`` found in lower tiers into the synchronous tiers above them."""
@@ -313,8 +324,30 @@ class TieredStore:
 
     async def get_verified(self, key: bytes, value_hash: bytes, namespace: Namespace) -> bytes | memoryview | None:
         """One value from the fastest tier that holds it intact (damaged copies are deleted)."""
-        found = (await self._reader.read(self.tiers, {key: value_hash}, namespace.digest[:8])).get(key)
+        found = await self.read_verified(key, value_hash, namespace)
         return None if found is None else found.payload
+
+    async def read_verified(self, key: bytes, value_hash: bytes, namespace: Namespace) -> Verified | None:
+        """``get_verified``, with the tier the value came from."""
+        return (await self._reader.read(self.tiers, {key: value_hash}, namespace.digest[:8])).get(key)
+
+    async def matching(self, fetched: FetchResult, check: ContentCheck, chunk_tokens: int) -> FetchResult:
+        """``fetched`` up to its first chunk that fails ``check`` (chunk ``i`` must hold the
+        ``chunk_tokens`` cells from ``i * chunk_tokens``); that one is ``reject``ed."""
+        for i, payload in enumerate(fetched.payloads):
+            reason = check(payload, i * chunk_tokens, chunk_tokens)
+            if reason is not None:
+                await self.reject(fetched.keys[i], fetched.tiers[i], reason)
+                return fetched.first(i, chunk_tokens)
+        return fetched
+
+    async def reject(self, key: bytes, tier: str, reason: str) -> None:
+        """A value that passed the codec but does not hold what its key names (another chunk's
+        cells under this chunk's key): deleted from ``tier``, where it was read, and counted as
+        damaged (``counters.corrupt``), as the codec's own rejections are."""
+        log.warning("value %s in tier %s does not match its key: %s (deleted)", key.decode(errors="replace"),
+                    tier, reason)
+        await self._reader.discard(next(t for t in self.tiers if t.name == tier), [key])
 
     async def prefetch(self, keys: Sequence[bytes]) -> int:
         """Copy values that only the background tiers hold into the synchronous ones (pre-warming).
