@@ -41,7 +41,7 @@ import numpy as np
 from llama_cpp.llama import Llama, LlamaState
 from llama_cpp.llama_cache import BaseLlamaCache
 
-from tiers.base import Tier, parse_size
+from tiers.base import parse_size
 from tiers.codec import BlobCodec
 from tiers.errors import ConfigError, KVTierError
 from tiers.events import EventBus
@@ -49,6 +49,7 @@ from tiers.keys import Namespace, as_token_array, common_prefix
 from tiers.memory import MemoryTier
 from tiers.redis_backend import RedisBackend
 from tiers.sessions import Manifest, SessionStore
+from tiers.stack import build_store
 from tiers.store import StoreResult, TieredStore
 
 from . import kvflow
@@ -175,16 +176,10 @@ class SyncStore:
     async def _build(codec: BlobCodec, memory: int, redis_url: str | None, redis_ttl: float | None,
                      redis_options: dict[str, Any], shared_dir: str | os.PathLike[str] | None,
                      shared_bytes: int | str) -> tuple[TieredStore, RedisBackend | None]:
-        tiers: list[Tier] = [MemoryTier(memory)]
-        if shared_dir is not None:
-            from tiers.shared import SharedTier
-
-            tiers.append(SharedTier(shared_dir, shared_bytes))
-        backend = None
-        if redis_url:
-            backend = RedisBackend.open(redis_url, ttl=redis_ttl, **redis_options)
-            tiers.append(backend.tier)
-        return TieredStore(tiers, codec), backend
+        # On the loop: asyncio clients belong to the loop that runs them.
+        node_id = redis_options.pop("node_id", None)
+        return build_store(codec, memory, shared_dir=shared_dir, shared_bytes=shared_bytes, redis_url=redis_url,
+                           redis_ttl=redis_ttl, node_id=node_id, redis_options=redis_options)
 
     @property
     def events(self) -> EventBus | None:

@@ -15,9 +15,8 @@ from aiohttp import web
 
 from integrations.kvflow import content_mismatch
 from integrations.llama_server import KEEPALIVE_S, LlamaServerClient
-from tiers.base import Tier
+from tiers import stack
 from tiers.codec import BlobCodec
-from tiers.memory import MemoryTier
 from tiers.redis_backend import RedisBackend
 from tiers.sessions import SessionStore
 from tiers.store import TieredStore
@@ -39,19 +38,13 @@ RELAY_KEEPALIVE_S = 4.0  # idle relay connections kept (llama-server closes them
 
 def build_store(settings: Settings) -> tuple[TieredStore, RedisBackend | None]:
     """The tiered store and, with ``redis_url``, the Redis behind its last tier (manifests, events)."""
-    tiers: list[Tier] = [MemoryTier(settings.cache_size, policy=settings.eviction)]
-    if settings.shared_dir:
-        from tiers.shared import SharedTier
-
-        tiers.append(SharedTier(settings.shared_dir, settings.shared_size))
-    redis = None
-    if settings.redis_url:
-        redis = RedisBackend.open(settings.redis_url, username=settings.redis_username,
-                                  password=settings.redis_password, ttl=settings.ttl or None, node_id=settings.node_id)
-        tiers.append(redis.tier)
     codec = BlobCodec(settings.compress, mac_key=settings.chunk_key.encode() if settings.chunk_key else None)
-    store = TieredStore(tiers, codec, queue_limit=settings.queue_limit)
-    return store, redis
+    return stack.build_store(
+        codec, settings.cache_size, eviction=settings.eviction, shared_dir=settings.shared_dir,
+        shared_bytes=settings.shared_size, redis_url=settings.redis_url, redis_ttl=settings.ttl or None,
+        node_id=settings.node_id, queue_limit=settings.queue_limit,
+        redis_options={"username": settings.redis_username, "password": settings.redis_password},
+    )
 
 
 def _remove_stale_files(slot_dir: str) -> None:
