@@ -23,11 +23,12 @@ from typing import Any
 
 import numpy as np
 
-from integrations.llama_server import LlamaServerClient, Timings, prefix_reused
+from integrations.llama_server import LlamaServerClient, LlamaServerError, Timings, prefix_reused
 from tiers.base import TierRole
+from tiers.errors import KVTierError
 from tiers.events import EventBus
 from tiers.keys import Namespace
-from tiers.sessions import Manifest, SessionError, SessionStore
+from tiers.sessions import Manifest, SessionNotFound, SessionStore
 from tiers.store import FetchResult, TieredStore
 
 from .config import Settings
@@ -208,6 +209,8 @@ class KVEngine:
                 lease.table.set_tokens(lease.slot, NO_TOKENS, owner=plan.salt)
             if plan.session_id is not None and await self._restore_session_prefix(plan, target):
                 return
+            # No session, or it could not be restored: the longest prefix the tiers hold, as for any
+            # request (with Redis down, the local tiers may hold it).
             found = await self.planner.plan(plan.namespace, plan.tokens, lease.cached_tokens, target, lease.slot)
             if found is None:
                 return
@@ -228,16 +231,22 @@ class KVEngine:
     async def _restore_session_prefix(self, plan: RequestPlan, target: Target) -> bool:
         """Restore the request's session when it is a prefix of the prompt and worth it."""
         assert plan.session_id is not None
+        lease = plan.lease
         try:
             manifest = await self.sessions.load(plan.namespace, plan.session_id)
-        except SessionError:
+            if not self.planner.session_worth(manifest, plan.tokens, lease.cached_tokens, target,
+                                              self._session_tier, lease.slot):
+                return False
+            restored = await self.restorer.restore_session(lease.slot, plan.namespace, manifest, target,
+                                                           cached=lease.cached_tokens)
+        except SessionNotFound:
             return False
-        lease = plan.lease
-        if not self.planner.session_worth(manifest, plan.tokens, lease.cached_tokens, target, self._session_tier,
-                                          lease.slot):
+        except LlamaServerError:
+            raise  # the slot's state is unknown now: recompute (``_restore``)
+        except KVTierError as exc:  # damaged, incomplete, Redis unreachable: nothing reached the slot
+            self.metrics.cache_errors.labels("restore").inc()
+            log.warning("session %s: not restored (%s); looking up its prefix instead", plan.session_id, exc)
             return False
-        restored = await self.restorer.restore_session(lease.slot, plan.namespace, manifest, target,
-                                                       cached=lease.cached_tokens)
         lease.table.set_tokens(lease.slot, manifest.tokens.copy(), owner=plan.salt)
         plan.took(restored)
         plan.restored_session = manifest

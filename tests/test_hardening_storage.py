@@ -263,6 +263,25 @@ async def test_a_session_restores_from_the_local_tiers_while_redis_is_down(pair:
         pair.redis.start()
 
 
+async def test_an_unknown_session_with_redis_down_still_restores_what_the_tiers_hold(pair: Pair) -> None:
+    """A session this node never saved cannot be looked up while Redis is down: the request is then
+    served like one without the header, from the prefix the local tiers hold."""
+    a = pair.a
+    text = "Unknown session test. " + DOC[200:1000] + "\nQuestion: which box holds 21 coins?\nAnswer:"
+    assert (await post(a.url + "/completion", completion(text))).status == 200
+    await settle(a)
+    assert (await post(a.url + "/completion", completion("Something else again."))).status == 200
+    await settle(a)
+    pair.redis.stop()
+    try:
+        ans = await post(a.url + "/completion", completion(text + " And 28?"),
+                         headers={"X-Session-Id": "never-" + uuid.uuid4().hex[:6]})
+        assert ans.status == 200
+        assert ans.restored > 0 and ans.headers["X-KVTier-Restore-Tier"] == "memory", ans.headers
+    finally:
+        pair.redis.start()
+
+
 # -- 9: a small slot dir -------------------------------------------------------------------------
 
 
