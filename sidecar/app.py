@@ -34,6 +34,14 @@ log = logging.getLogger("kvtier.app")
 
 HEALTH_INTERVAL_S = 2.0
 RELAY_KEEPALIVE_S = 4.0  # idle relay connections kept (llama-server closes them after 5 s)
+SERVER_OPTIONS = {
+    # A client that goes away cancels its handler: a request waiting for a slot leaves the queue,
+    # a relayed one closes its llama-server connection (llama-server stops a streamed generation).
+    "handler_cancellation": True,
+    # After an answer given before the whole body arrived (408, 413, 401), aiohttp reads and drops
+    # the rest for at most this long, then closes (its default, 10 s, holds a slow sender longer).
+    "lingering_time": 2.0,
+}
 
 
 def build_store(settings: Settings) -> tuple[TieredStore, RedisBackend | None]:
@@ -101,8 +109,9 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
 
 def create_app(settings: Settings) -> web.Application:
     """The sidecar: KV flow on completion routes, health/metrics, everything else passed through."""
-    auth = auth_policy(settings.auth_token, settings.auth_all)
-    app = web.Application(middlewares=[front_middleware(auth)], client_max_size=settings.max_body)
+    auth = auth_policy(settings.auth_token, settings.auth_all, allow_slot_actions=settings.allow_slot_actions)
+    app = web.Application(middlewares=[front_middleware(auth)], client_max_size=settings.max_body,
+                          handler_args=SERVER_OPTIONS)
     app[SETTINGS] = settings
     app[METRICS] = Metrics()
     app.cleanup_ctx.append(_resources)

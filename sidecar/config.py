@@ -129,6 +129,12 @@ class Settings:
     auth_token_file: str | None = _option(None, "file holding the bearer token")
     auth_all: bool = _option(False, "require the token on every endpoint, not only sessions/admin", _bool)
     max_body: int = _option(32 << 20, "largest request body accepted", _size)
+    body_timeout: float = _option(60.0, "seconds a client has to send a request body; slower ones get 408", _float)
+    max_prompt_chars: int = _option(0, "longest prompt text (characters) a completion may carry, checked before it "
+                                       "is tokenized; longer ones get 400 (0 = the slots' context size x 32)", _int)
+    allow_slot_actions: bool = _option(False, "pass clients' POST /slots/N?action=save|restore|erase to llama-server "
+                                              "(with the bearer token when one is set); off: 403, kvtier owns the "
+                                              "slots", _bool)
     queue_limit: int = _option(32, "pending background Redis write jobs (one per saved slot) before the oldest "
                                    "is dropped", _int)
     restore_min_tokens: int = _option(0, "never restore fewer tokens than this (0 = cost model decides)", _int)
@@ -286,6 +292,10 @@ def validate(s: Settings) -> None:
         raise ConfigError("auth_all needs auth_token or auth_token_file")
     if s.max_body < 1024:
         raise ConfigError("max_body must be at least 1K")
+    if s.body_timeout <= 0:
+        raise ConfigError("body_timeout must be positive")
+    if s.max_prompt_chars < 0:
+        raise ConfigError("max_prompt_chars must not be negative")
     if s.queue_limit <= 0:
         raise ConfigError("queue_limit must be positive")
     if s.restore_min_tokens < 0:

@@ -7,6 +7,7 @@ import hmac
 import itertools
 import logging
 import os
+import posixpath
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -14,10 +15,11 @@ from typing import Any
 
 from aiohttp import web
 
+from .appkeys import SETTINGS
 from .logs import request_id
 
 # request_id is the proxy's too.
-__all__ = ["AuthPolicy", "Handler", "front_middleware", "json_error", "request_id"]
+__all__ = ["AuthPolicy", "Handler", "client_gone", "front_middleware", "json_error", "read_body", "request_id"]
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -34,16 +36,35 @@ class AuthPolicy:
     open_paths: frozenset[str] = frozenset()  # never need it (the probes)
     token_prefixes: tuple[str, ...] = ()  # need it whenever a token is set (the sessions API, admin)
     protect_all: bool = False  # every path but the open ones needs it
+    # llama-server's state-changing actions, (method, path): they need it whenever a token is set
+    admin_actions: frozenset[tuple[str, str]] = frozenset()
+    refused_actions: frozenset[tuple[str, str]] = frozenset()  # (method, path): 403, whatever the token
 
-    def needs_token(self, path: str) -> bool:
+    def needs_token(self, path: str, method: str = "GET") -> bool:
         return bool(self.token) and path not in self.open_paths and (
-            self.protect_all or path.startswith(self.token_prefixes))
+            self.protect_all or path.startswith(self.token_prefixes)
+            or _matches(self.admin_actions, method, canonical_path(path)))
+
+    def refuses(self, path: str, method: str) -> bool:
+        return _matches(self.refused_actions, method, canonical_path(path))
+
+
+def canonical_path(path: str) -> str:
+    """``path`` as a router that folds ``//`` and dot segments sees it (``//slots/./0`` is ``/slots/0``)."""
+    return posixpath.normpath(re.sub("/{2,}", "/", path)) if "/." in path or "//" in path else path
+
+
+def _matches(actions: frozenset[tuple[str, str]], method: str, path: str) -> bool:
+    # An action's path names it and everything under it: ("POST", "/slots") is POST /slots/0 too.
+    method = method.upper()
+    return any(method == m and (path == p or path.startswith(p + "/")) for m, p in actions)
 
 
 def json_error(status: int, message: str, kind: str | None = None) -> web.Response:
     """``{"error": {"code", "message", "type"}}``: llama-server's error shape."""
-    kind = kind or {400: "invalid_request", 401: "unauthorized", 404: "not_found", 405: "method_not_allowed",
-                    409: "conflict", 413: "payload_too_large", 502: "bad_gateway", 503: "unavailable"}.get(status, "error")
+    kind = kind or {400: "invalid_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+                    405: "method_not_allowed", 408: "timeout", 409: "conflict", 413: "payload_too_large",
+                    502: "bad_gateway", 503: "unavailable"}.get(status, "error")
     return web.json_response({"error": {"code": status, "message": message, "type": kind}}, status=status)
 
 
@@ -72,10 +93,16 @@ def front_middleware(auth: AuthPolicy) -> Any:
         reset = request_id.set(rid)
         try:
             # compare_digest: the time taken does not tell how much of the token matched.
-            denied = auth.needs_token(request.path) and \
+            denied = auth.needs_token(request.path, request.method) and \
                 not hmac.compare_digest(request.headers.get("Authorization", "").encode(), expected)
-            response = json_error(401, "missing or wrong bearer token") if denied else \
-                await _json_errors(request, handler)
+            response: web.StreamResponse
+            if denied:
+                response = json_error(401, "missing or wrong bearer token")
+            elif auth.refuses(request.path, request.method):
+                response = json_error(403, f"{request.method} {request.path}: kvtier owns llama-server's slots; "
+                                           "an operator may pass slot actions on with --allow-slot-actions")
+            else:
+                response = await _json_errors(request, handler)
             if not response.prepared:
                 response.headers["X-Request-Id"] = rid
             return response
@@ -83,6 +110,40 @@ def front_middleware(auth: AuthPolicy) -> Any:
             request_id.reset(reset)
 
     return front
+
+
+DEFAULT_BODY_TIMEOUT_S = 60.0
+
+
+async def read_body(request: web.Request, limit: int | None = None) -> bytes:
+    """The whole request body, however many pieces it comes in.
+
+    Raises 408 when it takes longer than ``body_timeout`` (a sender that trickles it must not
+    hold a connection and a handler open), 413 past ``limit`` bytes (default: the app's
+    ``client_max_size``), and ``CancelledError`` when the client goes away meanwhile.
+    """
+    settings = request.app.get(SETTINGS)
+    timeout = settings.body_timeout if settings is not None else DEFAULT_BODY_TIMEOUT_S
+    try:
+        async with asyncio.timeout(timeout):
+            if limit is None:
+                return await request.read()
+            body = bytearray()
+            while piece := await request.content.readany():
+                body += piece
+                if len(body) > limit:
+                    raise web.HTTPRequestEntityTooLarge(max_size=limit, actual_size=len(body))
+            return bytes(body)
+    except TimeoutError:
+        raise web.HTTPRequestTimeout(reason=f"request body not received within {timeout:g} s") from None
+    except ConnectionResetError:  # the client went away while sending it
+        raise asyncio.CancelledError from None
+
+
+def client_gone(request: web.Request) -> bool:
+    """Whether the client's connection is closed (or closing)."""
+    transport = request.transport
+    return transport is None or transport.is_closing()
 
 
 async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -97,6 +158,9 @@ async def _json_errors(request: web.Request, handler: Handler) -> web.StreamResp
         return json_error(exc.status, message)
     except asyncio.CancelledError:
         raise
+    except ConnectionResetError:  # the client went away: nothing to answer, nothing to log as an error
+        log.debug("client went away during %s %s", request.method, request.path)
+        raise asyncio.CancelledError from None
     except Exception:
         if request.writer is not None and request.writer.output_size > 0:
             raise  # an answer already under way: aiohttp drops the connection, the client sees it cut

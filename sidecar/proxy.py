@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
+import numpy as np
 import orjson
 from aiohttp import web
 from multidict import CIMultiDict
@@ -22,8 +22,8 @@ from multidict import CIMultiDict
 from integrations.llama_server import LlamaServerError
 from tiers.sessions import validate_session_id
 
-from .appkeys import ENGINE, METRICS, UPSTREAM
-from .middlewares import json_error, request_id
+from .appkeys import ENGINE, METRICS, SETTINGS, UPSTREAM
+from .middlewares import client_gone, json_error, read_body, request_id
 from .prompts import asked_of
 from .upstream import UpstreamError, UpstreamResponse
 
@@ -37,6 +37,15 @@ COMPLETION_KINDS = {"/completion": "completion", "/completions": "completion", "
                     "/v1/chat/completions": "chat", "/chat/completions": "chat"}
 TAIL_BYTES = 64 * 1024  # enough of a stream's end to find its final timings
 MAX_CAPTURE = 16 << 20  # non-streaming answers are parsed for timings up to this size
+# Characters a prompt token stands for, at most, in the default --max-prompt-chars (the slots'
+# context times this): English averages about 4, long runs of spaces or symbols in code reach 16
+# in common vocabularies; a longer prompt cannot fit the context, and tokenizing it would cost
+# ~35 bytes of memory per character first.
+MAX_CHARS_PER_TOKEN = 32
+_UTF8_BOM = b"\xef\xbb\xbf"
+_NO_TOKENS = np.zeros(0, np.int32)
+_MEDIA_KEYS = frozenset({"image_url", "input_audio", "file", "multimodal_data"})  # not prompt text
+_background: set[asyncio.Task[None]] = set()
 
 
 def _forward_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
@@ -59,7 +68,7 @@ class Relay:
 
 async def passthrough(request: web.Request, body: bytes | None = None) -> web.StreamResponse:
     """Forward the request unchanged and relay the answer."""
-    return await _relay(request, body if body is not None else await request.read(), {}, Relay())
+    return await _relay(request, body if body is not None else await read_body(request), {}, Relay())
 
 
 async def _relay(request: web.Request, body: bytes, extra_headers: Mapping[str, str], out: Relay,
@@ -105,10 +114,12 @@ async def _relay(request: web.Request, body: bytes, extra_headers: Mapping[str, 
                     del out.tail[: len(out.tail) - TAIL_BYTES]
         out.upstream_complete = True
         await response.write_eof()
-    except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError):
+    except (ConnectionResetError, asyncio.CancelledError) as exc:
         # The client went away: closing upstream makes llama-server stop generating.
         upstream.close()
-        raise
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+        raise asyncio.CancelledError from None  # nothing to answer: no error, no traceback
     except UpstreamError as exc:
         # Cut short by llama-server: the client's connection is closed too (a clean end would
         # pass a truncated answer off as whole).
@@ -126,24 +137,50 @@ def _is_stream(resp: UpstreamResponse) -> bool:
 async def handle_completion(request: web.Request) -> web.StreamResponse:
     """``/completion``, ``/v1/completions``, ``/v1/chat/completions`` through the KV flow."""
     kind = COMPLETION_KINDS[request.path]
+    metrics = request.app[METRICS]
+    try:
+        return await _completion(request, kind)
+    except asyncio.CancelledError:
+        # Gone while its slot was awaited (it left the queue) or while answered (llama-server's
+        # connection was closed, which stops the generation); or cut by a shutdown.
+        metrics.requests.labels(kind, "client_gone" if client_gone(request) else "cancelled").inc()
+        raise
+
+
+async def _completion(request: web.Request, kind: str) -> web.StreamResponse:
     engine = request.app[ENGINE]
     metrics = request.app[METRICS]
-    raw = await request.read()
+    raw = await read_body(request)
+    raw = raw.removeprefix(_UTF8_BOM)  # llama-server's parser (nlohmann::json) skips a BOM too
     try:
-        # orjson refuses a little more than json (NaN, lone surrogates, numbers beyond float):
-        # such bodies go to llama-server as they came, like any body kvtier cannot read.
         body: Any = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        body = None
-    # Anything the KV flow cannot serve goes to llama-server as it came, and gets its answer.
-    if not isinstance(body, dict) or body.get("cache_prompt") is False or not await engine.ensure_ready():
-        metrics.requests.labels(kind, "passthrough").inc()
-        return await passthrough(request, raw)
+    except orjson.JSONDecodeError as exc:
+        # Never passed on as it came: llama-server would run it on a slot of its own choosing,
+        # around the tenant rules. orjson refuses a little that llama-server reads (nesting past
+        # 1024 levels, NaN, numbers past a double's range, lone surrogates); no completion needs those.
+        metrics.requests.labels(kind, "invalid").inc()
+        return json_error(400, f"request body is not JSON kvtier can read: {str(exc)[:200]}")
+    if not isinstance(body, dict):
+        metrics.requests.labels(kind, "invalid").inc()
+        return json_error(400, "request body must be a JSON object")
+    if not await engine.ensure_ready():
+        # Without its slot table kvtier cannot keep tenants apart: no request goes past it.
+        metrics.requests.labels(kind, "unavailable").inc()
+        unready = json_error(503, f"kvtier is not ready: {engine.last_error}")
+        unready.headers["Retry-After"] = "2"
+        return unready
+    too_long = _prompt_too_long(request, raw, body)
+    if too_long is not None:
+        metrics.requests.labels(kind, "invalid").inc()
+        return json_error(400, too_long)
     started = time.perf_counter()
     session_id = request.headers.get("X-Session-Id")
     want = body.get("id_slot")
     want = want if isinstance(want, int) and not isinstance(want, bool) and 0 <= want < engine.target.n_slots else None  # type: ignore[union-attr]
     salt = _tenant_salt(request, body)
+    if body.get("cache_prompt") is False:
+        metrics.requests.labels(kind, "passthrough").inc()
+        return await _pinned_passthrough(request, body, want, salt)
     asked = asked_of(kind, body)
     plan = None
     if asked is not None and session_id is None:
@@ -156,7 +193,7 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
             prompt = None
         if prompt is None or prompt.tokens.size == 0:
             metrics.requests.labels(kind, "passthrough").inc()
-            return await passthrough(request, raw)
+            return await _pinned_passthrough(request, body, want, salt)
         if session_id is not None:
             try:
                 validate_session_id(session_id)
@@ -181,6 +218,73 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
         # Saved when llama-server finished its answer, even if the client (or a shutdown) cut the
         # last bytes short: the slot then holds a complete, valid state.
         engine.finish(plan, ok=relay.ok, answer=bytes(relay.tail) if relay.ok else None)
+
+
+async def _pinned_passthrough(request: web.Request, body: dict[str, Any], want: int | None,
+                              salt: str) -> web.StreamResponse:
+    """A completion kvtier does not cache (``cache_prompt: false``, several prompts, media), sent
+    as it came but to a slot kvtier chose for its tenant: another tenant's slot is erased first,
+    and the slot is erased after it, since kvtier does not learn what it then holds."""
+    engine = request.app[ENGINE]
+    table = engine.slots
+    assert table is not None  # after ensure_ready()
+    lease = await table.acquire(_NO_TOKENS, want=want, owner=salt)
+    try:
+        if lease.foreign:
+            await engine.client.erase_slot(lease.slot)
+        forwarded = {k: v for k, v in body.items() if k != "cache_salt"}
+        forwarded["id_slot"] = lease.slot
+        return await _relay(request, orjson.dumps(forwarded), {"X-KVTier-Slot": str(lease.slot)}, Relay())
+    finally:
+        task = asyncio.get_running_loop().create_task(_erase_then_release(engine, lease))
+        _background.add(task)
+        task.add_done_callback(_background.discard)
+
+
+async def _erase_then_release(engine: Any, lease: Any) -> None:
+    try:
+        await engine.client.erase_slot(lease.slot)
+    except (LlamaServerError, OSError) as exc:
+        log.info("slot %d: not erased after a pass-through (%s)", lease.slot, exc)
+    finally:
+        lease.table.forget(lease.slot)
+        lease.release()
+
+
+def _prompt_too_long(request: web.Request, raw: bytes, body: Mapping[str, Any]) -> str | None:
+    """Why the request's prompt text is over ``--max-prompt-chars``; None when it is not.
+
+    Checked before anything is rendered or tokenized: tokenizing costs ~35 bytes per character.
+    A body no larger than the limit cannot hold more characters than it has bytes.
+    """
+    settings = request.app[SETTINGS]
+    n_ctx = request.app[ENGINE].target.n_ctx_slot  # type: ignore[union-attr]
+    limit = settings.max_prompt_chars or n_ctx * MAX_CHARS_PER_TOKEN
+    if not limit or len(raw) <= limit:
+        return None
+    chars = prompt_chars(body)
+    if chars <= limit:
+        return None
+    return (f"prompt too long: {chars} characters, over the limit of {limit} (max_prompt_chars; this server's "
+            f"slots hold {n_ctx} tokens)")
+
+
+def prompt_chars(body: Mapping[str, Any]) -> int:
+    """Characters of prompt text in a completion body: its prompt, messages and tools (media
+    data aside); a token id counts as one."""
+    total = 0
+    stack: list[Any] = [body.get(key) for key in ("prompt", "messages", "tools")]
+    while stack:  # iterative: a body may nest a thousand levels deep
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(v for k, v in item.items() if k not in _MEDIA_KEYS)
+        elif isinstance(item, int):
+            total += 1
+    return total
 
 
 def upstream_body(raw: bytes, body: Mapping[str, Any], slot: int) -> bytes:

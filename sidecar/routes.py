@@ -16,7 +16,7 @@ from typing import Any, Literal
 from aiohttp import web
 
 from . import openapi
-from .middlewares import AuthPolicy, Handler, json_error
+from .middlewares import AuthPolicy, Handler, canonical_path, json_error
 from .probes import healthz, metrics_endpoint, readyz
 from .proxy import COMPLETION_KINDS, handle_completion, passthrough
 from .sessions_api import delete_session, get_session, list_sessions, restore_session, save_session
@@ -82,6 +82,41 @@ ROUTES: tuple[Route, ...] = (
       for path, kind in COMPLETION_KINDS.items()),
 )
 
+
+@dataclass(frozen=True, slots=True)
+class Relayed:
+    """A llama-server endpoint kvtier passes through with a rule of its own (docs/security.md)."""
+
+    method: str
+    path: str  # the endpoint and everything under it
+    rule: Literal["admin", "slots", "untenanted"]
+    why: str
+
+
+# admin: changes llama-server for every client, so it needs the token whenever one is set.
+# slots: llama-server's slot actions; kvtier owns the slots, so they are refused (403) unless an
+# operator passes them on (--allow-slot-actions), and then they are admin.
+# untenanted: runs a prompt on a slot llama-server picks by prefix similarity, outside the KV
+# flow and its tenant rules: refused (403) for a request that names a tenant (X-KVTier-Salt).
+LLAMA_SERVER_RULES: tuple[Relayed, ...] = (
+    Relayed("POST", "/slots", "slots", "save, restore or erase a slot: another conversation's KV, kvtier's files"),
+    Relayed("POST", "/lora-adapters", "admin", "LoRA scales of every later request"),
+    Relayed("POST", "/props", "admin", "default generation settings (with llama-server's --props)"),
+    Relayed("POST", "/models", "admin", "router mode: load, unload or add models"),
+    Relayed("DELETE", "/models", "admin", "router mode: remove a model"),
+    Relayed("POST", "/tools", "admin", "server-side tools (with llama-server's --tools)"),
+    Relayed("POST", "/cors-proxy", "admin", "fetches other URLs (with llama-server's --webui-mcp-proxy)"),
+    Relayed("GET", "/cors-proxy", "admin", "fetches other URLs (with llama-server's --webui-mcp-proxy)"),
+    Relayed("DELETE", "/v1/stream", "untenanted", "ends a resumable stream by conversation id"),
+    Relayed("GET", "/v1/stream", "untenanted", "reads a resumable stream by conversation id"),
+    Relayed("POST", "/v1/streams/lookup", "untenanted", "looks resumable streams up by conversation id"),
+    *(Relayed("POST", path, "untenanted", "a prompt on a slot llama-server picks")
+      for path in ("/infill", "/v1/responses", "/responses", "/v1/messages", "/embedding", "/embeddings",
+                   "/v1/embeddings", "/rerank", "/reranking", "/v1/rerank", "/v1/reranking",
+                   "/v1/audio/transcriptions", "/audio/transcriptions", "/v1/chat/completions/control")),
+)
+_UNTENANTED = frozenset((r.method, r.path) for r in LLAMA_SERVER_RULES if r.rule == "untenanted")
+
 _OPENAPI_TEXT = json.dumps(openapi.document(ROUTES))
 _METHOD_ORDER = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
 
@@ -114,15 +149,26 @@ def allowed_methods(path: str) -> str | None:
     return None
 
 
-def auth_policy(token: str | None, protect_all: bool) -> AuthPolicy:
-    """Which paths need ``token``: the admin routes' (and anything under them), every path but the
-    open ones with ``protect_all``."""
+def auth_policy(token: str | None, protect_all: bool, *, allow_slot_actions: bool = False) -> AuthPolicy:
+    """Which paths need ``token``: the admin routes' (and anything under them), llama-server's
+    state-changing actions, every path but the open ones with ``protect_all``; which actions are
+    refused whatever the token (the slot actions, unless ``allow_slot_actions``)."""
+    slots = frozenset((r.method, r.path) for r in LLAMA_SERVER_RULES if r.rule == "slots")
     return AuthPolicy(
         token=token,
         open_paths=frozenset(r.path for r in ROUTES if r.access == "open"),
         token_prefixes=tuple(dict.fromkeys(r.prefix.rstrip("/") for r in ROUTES if r.access == "admin")),
         protect_all=protect_all,
+        admin_actions=frozenset((r.method, r.path) for r in LLAMA_SERVER_RULES if r.rule == "admin")
+        | (slots if allow_slot_actions else frozenset()),
+        refused_actions=frozenset() if allow_slot_actions else slots,
     )
+
+
+def untenanted(method: str, path: str) -> bool:
+    """Whether llama-server runs this request's prompt outside the KV flow (and its tenant rules)."""
+    path = canonical_path(path)
+    return any(method == m and (path == p or path.startswith(p + "/")) for m, p in _UNTENANTED)
 
 
 async def catch_all(request: web.Request) -> web.StreamResponse:
@@ -134,6 +180,9 @@ async def catch_all(request: web.Request) -> web.StreamResponse:
         return response
     if request.path.startswith(_OWN_PREFIXES):
         return json_error(404, f"{request.path} is not part of the kvtier API")
+    if request.headers.get("X-KVTier-Salt") and untenanted(request.method, request.path):
+        return json_error(403, f"{request.method} {request.path} runs outside kvtier's tenant rules "
+                               "(llama-server picks its slot); send tenants' requests to the completion routes")
     return await passthrough(request)
 
 

@@ -23,7 +23,7 @@ from tiers.errors import KVTierError, TierUnavailable
 from tiers.sessions import SessionIncomplete, SessionNotFound, validate_session_id
 
 from .appkeys import ENGINE, METRICS
-from .middlewares import Handler, json_error
+from .middlewares import Handler, json_error, read_body
 
 MAX_BODY = 64 * 1024
 DEFAULT_WAIT_S = 10.0
@@ -60,14 +60,15 @@ def sessions_errors(handler: Handler) -> Handler:
 async def _body(request: web.Request) -> dict[str, Any]:
     if request.content_length is not None and request.content_length > MAX_BODY:
         raise ApiError(413, "payload_too_large", f"request body over {MAX_BODY} bytes")
-    raw = await request.content.read(MAX_BODY + 1)
-    if len(raw) > MAX_BODY:
-        raise ApiError(413, "payload_too_large", f"request body over {MAX_BODY} bytes")
+    try:
+        raw = await read_body(request, MAX_BODY)  # all of it, however many pieces it comes in
+    except web.HTTPRequestEntityTooLarge:
+        raise ApiError(413, "payload_too_large", f"request body over {MAX_BODY} bytes") from None
     if not raw.strip():
         return {}
     try:
         data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):  # RecursionError: nested too deep
         raise ApiError(400, "invalid_request", "request body is not valid JSON") from None
     if not isinstance(data, dict):
         raise ApiError(400, "invalid_request", "request body must be a JSON object")

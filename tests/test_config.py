@@ -45,6 +45,9 @@ SAMPLES: dict[str, tuple[Any, Any]] = {
     "auth_token_file": (None, None),  # a path, filled in by the test
     "auth_all": (True, True),
     "max_body": ("2M", 2 << 20),
+    "body_timeout": ("7.5", 7.5),
+    "max_prompt_chars": ("100000", 100000),
+    "allow_slot_actions": (True, True),
     "queue_limit": ("8", 8),
     "restore_min_tokens": ("100", 100),
     "prefill_tps_prior": ("123.5", 123.5),
