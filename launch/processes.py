@@ -1,4 +1,4 @@
-"""The processes: started in their own session, waited for until they serve, stopped in order.
+"""The processes: started, waited for until they serve, stopped in order.
 
 Every server listens on a free loopback port: nothing here touches a server that happens to listen
 on 6379 or 8080. A process that exits, or is not ready in time, raises with the tail of its log
@@ -80,8 +80,10 @@ def _tail(log: Path | None) -> str:
 class Proc:
     """A child process, its output appended to ``log`` (discarded without one).
 
-    It runs in its own session: a Ctrl-C at the terminal reaches the parent only, which then stops
-    its children in order (a sidecar before its llama-server).
+    It stays in the parent's session. In a session of its own (to keep a terminal's Ctrl-C from
+    it), a llama-server answering two slots at once stalled mid-prompt for minutes on these 2-core
+    VMs while the same server in the parent's session answered in 9 s (likely the kernel's
+    per-session scheduling groups against ggml's spinning worker threads).
     """
 
     name: str
@@ -93,7 +95,7 @@ class Proc:
         """Start and wait until ``ready()``; a process that exits or times out first raises (stopped)."""
         with contextlib.ExitStack() as stack:
             out = stack.enter_context(open(self.log, "ab")) if self.log is not None else subprocess.DEVNULL
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT)
         try:
             wait_ready(ready, timeout, self.name, self.proc, self.log)
         except BaseException:
