@@ -53,6 +53,9 @@ class Slot:
     tail: TailRecord | None = None  # the partial tail it stored or restored last
     resynced: int | None = None  # llama-server's token count when kvtier last read the slot again
     saving: bool = False  # busy with the save after an answer (the request itself is done)
+    # What it holds is not known (a failed or cancelled request, a save that failed): llama-server
+    # may still hold the owner's KV, so another tenant's request erases it before use.
+    unknown: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -121,7 +124,8 @@ class SlotTable:
             best = min(idle, key=lambda s: s.last_used)
         best.busy = True
         best.last_used = self._clock()
-        return Lease(self, best.id, best_prefix, foreign=best.owner != owner and best.tokens.size > 0)
+        return Lease(self, best.id, best_prefix,
+                     foreign=best.owner != owner and (best.tokens.size > 0 or best.unknown))
 
     async def acquire(self, tokens: np.ndarray, *, want: int | None = None, timeout: float | None = None,
                       owner: str = "") -> Lease:
@@ -202,8 +206,10 @@ class SlotTable:
             fut.set_result(lease)
 
     def set_tokens(self, slot: int, tokens: np.ndarray, owner: str | None = None) -> None:
+        """Record what ``slot`` holds (exactly), and whose it is (``None``: the same tenant as before)."""
         self.slots[slot].tokens = np.asarray(tokens, dtype=np.int32)
         self.slots[slot].asked = ()
+        self.slots[slot].unknown = False
         if owner is not None:
             self.slots[slot].owner = owner
 
@@ -211,5 +217,7 @@ class SlotTable:
         return self.slots[slot].tokens
 
     def forget(self, slot: int) -> None:
-        """What ``slot`` holds is unknown now (a failed request or save, a restarted server)."""
+        """What ``slot`` holds is unknown now (a failed request or save): none of it counts as
+        cached, and another tenant's request erases it before use (its owner is kept)."""
         self.set_tokens(slot, np.zeros(0, np.int32))
+        self.slots[slot].unknown = True

@@ -236,7 +236,7 @@ class ServerWatcher:
             if held is None and not slot.served:
                 continue
             if not held and slot.tokens.size:
-                table.forget(slot_id)
+                table.set_tokens(slot_id, np.zeros(0, np.int32))  # empty: the server restarted
                 slot.served = False
                 lost += 1
             elif held and int(held) != slot.tokens.size and slot.resynced != int(held):
@@ -261,6 +261,7 @@ class ServerWatcher:
                 log.info("slot %d: could not read what it holds (%s); forgetting it", slot_id, exc)
                 table.set_tokens(slot_id, np.zeros(0, np.int32))
                 return False
-            # Not any tenant's: a salted tenant sees it as foreign (erased before use).
-            table.set_tokens(slot_id, state.tokens.tokens.copy(), owner="")
+            # Still the tenant kvtier last served there (a slot it lost track of after a failure
+            # may hold that tenant's KV): any other tenant's request erases it before use.
+            table.set_tokens(slot_id, state.tokens.tokens.copy())
             return True

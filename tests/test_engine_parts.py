@@ -250,3 +250,19 @@ async def test_a_next_turn_waits_for_its_own_slots_save_and_blocks_no_one() -> N
     first.release()
     lease = await asyncio.wait_for(next_turn, 1)
     assert (lease.slot, lease.cached_tokens) == (first.slot, 100)
+
+
+async def test_a_slot_kvtier_lost_track_of_is_erased_before_another_tenant_uses_it() -> None:
+    table = SlotTable(1)
+    lease = await table.acquire(np.arange(50, dtype=np.int32), owner="a")
+    table.set_tokens(lease.slot, np.arange(50, dtype=np.int32), owner="a")
+    table.forget(lease.slot)  # tenant a's request failed: llama-server may still hold its KV
+    lease.release()
+    other = await table.acquire(np.arange(50, dtype=np.int32), owner="b")
+    assert other.foreign and other.cached_tokens == 0
+    other.release()
+    same = await table.acquire(np.arange(50, dtype=np.int32), owner="a")
+    assert not same.foreign and same.cached_tokens == 0  # nothing counts as cached, even for a
+    same.release()
+    table.set_tokens(0, np.zeros(0, np.int32), owner="b")  # known empty (erased, or a restarted server)
+    assert not (await table.acquire(np.arange(5, dtype=np.int32), owner="a")).foreign
