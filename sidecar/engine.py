@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from integrations.llama_server import LlamaServerClient, LlamaServerError, Timings, prefix_reused
+from integrations.llama_server import LlamaServerClient, LlamaServerError, Timings
 from tiers.base import TierRole
 from tiers.errors import KVTierError
 from tiers.events import EventBus
@@ -292,7 +292,12 @@ class KVEngine:
             # writing the slot file, kvtier splitting it) would compete for the CPU with its delivery.
             await asyncio.sleep(SAVE_DELAY_S)
             if answer is not None:
-                self._account(plan, Timings.from_answer(answer))
+                timings = Timings.from_answer(answer)
+                if plan.follow_up and timings is not None:  # its slot's common prefix is known only now
+                    self.metrics.tokens_slot_reused.inc(timings.cache_n)
+                expected = max(plan.restored_tokens, plan.lease.cached_tokens)
+                if not self.planner.learn(timings, int(plan.tokens.size), expected, lease.slot):
+                    self.watcher.doubt()  # a restart it has not noticed yet? Check before the next request
             if plan.fetched is not None:
                 fetched, plan.fetched = plan.fetched, None
                 await self.store.promote(fetched)
@@ -327,22 +332,6 @@ class KVEngine:
             table.slots[lease.slot].saving = False
             lease.release()
             self.metrics.pending_saves.set(max(len(self._pending) - 1, 0))
-
-    def _account(self, plan: RequestPlan, timings: Timings | None) -> None:
-        if timings is None:
-            return
-        self.metrics.tokens_recomputed.inc(timings.prompt_n)
-        if plan.follow_up:  # its slot's common prefix is known only now
-            self.metrics.tokens_slot_reused.inc(timings.cache_n)
-        self.cost.observe_prefill(timings.prompt_n, timings.prompt_ms)
-        expected = max(plan.restored_tokens, plan.lease.cached_tokens)
-        if expected and not prefix_reused(timings, plan.tokens.size, expected):
-            # The slot held less than kvtier thought: a restart it has not noticed yet, or a
-            # restore llama-server threw away. Check the server before the next request.
-            self.metrics.reuse_failures.inc()
-            self.watcher.doubt()
-            log.warning("slot %d: expected %d tokens reused but the server recomputed %d of %d",
-                        plan.lease.slot, expected, timings.prompt_n, plan.tokens.size)
 
     async def drain(self, timeout: float) -> bool:
         """Wait for pending saves (graceful shutdown)."""

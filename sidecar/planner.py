@@ -7,6 +7,7 @@ import logging
 import numpy as np
 
 from integrations.kvflow import PrefixFound, find_prefix, restorable_tokens
+from integrations.llama_server import Timings, prefix_reused
 from tiers.keys import Namespace, common_prefix
 from tiers.sessions import Manifest
 from tiers.store import TieredStore
@@ -50,6 +51,21 @@ class RestorePlanner:
             return False
         gain = int(m_tokens.size) - cached
         return self._decide(gain, {tier: gain * target.bytes_per_token}, slot)
+
+    def learn(self, timings: Timings | None, prompt_tokens: int, expected: int, slot: int) -> bool:
+        """Learn from an answer's timings (the prefill rate); False when llama-server reused less
+        than the ``expected`` tokens (the slot held less than kvtier thought, or it threw a restore
+        away), which is counted and logged."""
+        if timings is None:
+            return True
+        self.metrics.tokens_recomputed.inc(timings.prompt_n)
+        self.cost.observe_prefill(timings.prompt_n, timings.prompt_ms)
+        if not expected or prefix_reused(timings, prompt_tokens, expected):
+            return True
+        self.metrics.reuse_failures.inc()
+        log.warning("slot %d: expected %d tokens reused but the server recomputed %d of %d",
+                    slot, expected, timings.prompt_n, prompt_tokens)
+        return False
 
     def _decide(self, gain: int, bytes_by_tier: dict[str, int], slot: int) -> bool:
         decision = self.cost.decide(gain, bytes_by_tier)
