@@ -64,7 +64,8 @@ LIST_SESSIONS = {
     ],
     "responses": {"200": _json({"type": "object", "required": ["sessions", "shared"], "properties": {
         "sessions": {"type": "array", "items": MANIFEST}, "shared": {"type": "boolean"},
-        "next": {"type": "string"}}}), **_errors(400, 401, 503)},
+        "next": {"type": "string"}, "damaged": {"type": "array", "items": {"type": "string"}}}}),
+        **_errors(400, 401, 503)},
 }
 GET_SESSION = {"responses": {"200": _json({"allOf": [MANIFEST, {"type": "object", "properties": {
     "shared": {"type": "boolean"}, "chunks_available": {"type": "integer"},

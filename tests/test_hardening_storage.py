@@ -213,6 +213,7 @@ async def test_a_damaged_manifest_is_reported_skipped_deleted_and_saved_over(pai
     assert status == 410, body
     status, listed = await call("GET", a.url + f"/v1/sessions?prefix=dmg{run}")
     assert status == 200 and [s["id"] for s in listed["sessions"]] == [ids[0], ids[2]], listed
+    assert listed["damaged"] == [ids[1]]  # the listing says what it skipped
     page = await a.engine.sessions.list_page(ns, f"dmg{run}")
     assert page.damaged == [ids[1]]
     # Another node's manifest under this id is damage too.

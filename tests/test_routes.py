@@ -26,7 +26,7 @@ from sidecar.proxy import COMPLETION_KINDS
 from sidecar.routes import ROUTES, allowed_methods, auth_policy, route_defs
 from tiers.errors import KVTierError, TierUnavailable
 from tiers.keys import Namespace
-from tiers.sessions import Manifest, SessionIncomplete, SessionNotFound
+from tiers.sessions import Manifest, SessionIncomplete, SessionNotFound, SessionPage
 
 TOKEN = "route-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -52,11 +52,12 @@ class FakeSessions:
             raise SessionNotFound(f"no session {session_id!r}")
         return self.manifests[session_id]
 
-    async def list(self, namespace: Namespace, prefix: str = "", *, after: str = "", limit: int = 100) -> list[Manifest]:
+    async def list_page(self, namespace: Namespace, prefix: str = "", *, after: str = "",
+                        limit: int = 100) -> SessionPage:
         if "*" in prefix:
             raise ValueError("prefix holds a character a session id cannot")
         ids = sorted(i for i in self.manifests if i.startswith(prefix) and i > after)
-        return [self.manifests[i] for i in ids[:limit]]
+        return SessionPage([self.manifests[i] for i in ids[:limit]], [])
 
     async def delete(self, namespace: Namespace, session_id: str) -> bool:
         return self.manifests.pop(session_id, None) is not None
