@@ -206,7 +206,7 @@ async def test_requests_use_in_process_prompts_and_their_checks_pass(node: Node)
     assert sc.metric("kvtier_prompt_in_process", step="tokenize") == 1
 
 
-async def test_hostile_prompts_get_llama_servers_answer(node: Node) -> None:
+async def test_hostile_prompts_get_a_clear_answer(node: Node) -> None:
     sc = node.sidecar
     for raw in (b'{"prompt": "a \\ud800 b", "n_predict": 2}', b'{"prompt": "\\u0000\\u0001", "n_predict": 2}',
                 b'{"messages": [{"role": "user", "content": "\\udfff"}], "max_tokens": 2}',
@@ -215,7 +215,10 @@ async def test_hostile_prompts_get_llama_servers_answer(node: Node) -> None:
         path = "/v1/chat/completions" if b"messages" in raw else "/completion"
         direct = await post(node.llama.url + path, None, raw=raw)
         side = await post(sc.url + path, None, raw=raw)
-        assert side.status == direct.status, (raw, side.text, direct.text)
+        # A lone surrogate is JSON kvtier does not read: kvtier answers 400 itself, never passing the
+        # body on around the tenant rules (llama-server says 500); the rest get llama-server's answer.
+        want = 400 if b"\\ud800" in raw or b"\\udfff" in raw else direct.status
+        assert side.status == want, (raw, side.text, direct.text)
         await sc.engine.drain(30)
     assert sc.engine.prompts.render_here and sc.engine.prompts.tokenize_here
 
