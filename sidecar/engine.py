@@ -75,6 +75,13 @@ class RequestPlan:
         self.restored_tokens, self.restore_tier, self.restore_ms = restored.n_tokens, restored.tier, restored.ms
 
 
+def _session_tier(store: TieredStore, sessions: SessionStore) -> str:
+    """Where a session's chunks are read from, for the cost model: the remote tier when manifests
+    are shared (any node may have saved it), else this node's fastest."""
+    remote = [t.name for t in store.tiers if t.role is TierRole.REMOTE]
+    return remote[0] if sessions.shared and remote else store.tiers[0].name
+
+
 class KVEngine:
     """The sidecar's cache: composes the watcher, planner, restorer and saver around each request."""
 
@@ -95,10 +102,7 @@ class KVEngine:
         self.restorer = RestoreWriter(store, self.sessions, self.files, self.cost, metrics)
         self.saver = Saver(store, self.sessions, self.files, metrics, node_id=settings.node_id, events=events)
         self.session_slots: dict[str, int] = {}  # session id -> the slot that served it last
-        # Where a session's chunks are read from, for the cost model: the remote tier when
-        # manifests are shared (any node may have saved it), else this node's fastest.
-        remote = [t.name for t in store.tiers if t.role is TierRole.REMOTE]
-        self._session_tier = remote[0] if sessions.shared and remote else store.tiers[0].name
+        self._session_tier = _session_tier(store, sessions)
         self._pending: set[asyncio.Task[None]] = set()
 
     # -- the server, as the watcher knows it ------------------------------------------------------
@@ -119,15 +123,8 @@ class KVEngine:
     def last_error(self) -> str:
         return self.watcher.last_error
 
-    @property
-    def slot_dir(self) -> Path:
-        return self.files.slot_dir
-
     async def ensure_ready(self) -> bool:
         return await self.watcher.ensure_ready()
-
-    async def check_server(self) -> None:
-        await self.watcher.check_server()
 
     # -- before the request -----------------------------------------------------------------------
 
@@ -214,13 +211,10 @@ class KVEngine:
             found = await self.planner.plan(plan.namespace, plan.tokens, lease.cached_tokens, target, lease.slot)
             if found is None:
                 return
-            restored = await self.restorer.restore_prefix(lease.slot, plan.namespace, found, plan.tokens,
-                                                          lease.cached_tokens, target)
+            restored = await self.restorer.restore_prefix(lease, plan.namespace, found, plan.tokens, target,
+                                                          owner=plan.salt)
             if restored is None:
                 return
-            lease.table.set_tokens(lease.slot, plan.tokens[:restored.n_tokens].copy(), owner=plan.salt)
-            if restored.tail is not None:
-                lease.table.slots[lease.slot].tail = restored.tail
             plan.took(restored)
             plan.fetched = restored.fetched
         except Exception as exc:  # best-effort: the request goes on as a recompute
@@ -237,8 +231,8 @@ class KVEngine:
             if not self.planner.session_worth(manifest, plan.tokens, lease.cached_tokens, target,
                                               self._session_tier, lease.slot):
                 return False
-            restored = await self.restorer.restore_session(lease.slot, plan.namespace, manifest, target,
-                                                           cached=lease.cached_tokens)
+            restored = await self.restorer.restore_session(lease, plan.namespace, manifest, target,
+                                                           owner=plan.salt, cached=lease.cached_tokens)
         except SessionNotFound:
             return False
         except LlamaServerError:
@@ -247,7 +241,6 @@ class KVEngine:
             self.metrics.cache_errors.labels("restore").inc()
             log.warning("session %s: not restored (%s); looking up its prefix instead", plan.session_id, exc)
             return False
-        lease.table.set_tokens(lease.slot, manifest.tokens.copy(), owner=plan.salt)
         plan.took(restored)
         plan.restored_session = manifest
         return True
@@ -259,8 +252,7 @@ class KVEngine:
         """Restore a whole session into a leased slot (``POST /v1/sessions/{id}/restore``)."""
         target = self.watcher.target
         assert target is not None
-        restored = await self.restorer.restore_session(lease.slot, namespace, manifest, target)
-        lease.table.set_tokens(lease.slot, manifest.tokens.copy(), owner=salt)
+        restored = await self.restorer.restore_session(lease, namespace, manifest, target, owner=salt)
         self.session_slots[manifest.id] = lease.slot
         await self.sessions.touch(namespace, manifest)
         return restored
@@ -291,13 +283,10 @@ class KVEngine:
             # Let the answer's last bytes reach the client first: on a small host the save (llama-server
             # writing the slot file, kvtier splitting it) would compete for the CPU with its delivery.
             await asyncio.sleep(SAVE_DELAY_S)
-            if answer is not None:
-                timings = Timings.from_answer(answer)
-                if plan.follow_up and timings is not None:  # its slot's common prefix is known only now
-                    self.metrics.tokens_slot_reused.inc(timings.cache_n)
-                expected = max(plan.restored_tokens, plan.lease.cached_tokens)
-                if not self.planner.learn(timings, int(plan.tokens.size), expected, lease.slot):
-                    self.watcher.doubt()  # a restart it has not noticed yet? Check before the next request
+            expected = max(plan.restored_tokens, plan.lease.cached_tokens)
+            if answer is not None and not self.planner.learn(Timings.from_answer(answer), int(plan.tokens.size),
+                                                             expected, lease.slot, follow_up=plan.follow_up):
+                self.watcher.doubt()  # a restart it has not noticed yet? Check before the next request
             if plan.fetched is not None:
                 fetched, plan.fetched = plan.fetched, None
                 await self.store.promote(fetched)

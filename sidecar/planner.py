@@ -52,13 +52,16 @@ class RestorePlanner:
         gain = int(m_tokens.size) - cached
         return self._decide(gain, {tier: gain * target.bytes_per_token}, slot)
 
-    def learn(self, timings: Timings | None, prompt_tokens: int, expected: int, slot: int) -> bool:
+    def learn(self, timings: Timings | None, prompt_tokens: int, expected: int, slot: int, *,
+              follow_up: bool = False) -> bool:
         """Learn from an answer's timings (the prefill rate); False when llama-server reused less
         than the ``expected`` tokens (the slot held less than kvtier thought, or it threw a restore
         away), which is counted and logged."""
         if timings is None:
             return True
         self.metrics.tokens_recomputed.inc(timings.prompt_n)
+        if follow_up:  # sent untokenized: what its slot held of it is known only now
+            self.metrics.tokens_slot_reused.inc(timings.cache_n)
         self.cost.observe_prefill(timings.prompt_n, timings.prompt_ms)
         if not expected or prefix_reused(timings, prompt_tokens, expected):
             return True

@@ -40,7 +40,7 @@ async def healthz(request: web.Request) -> web.Response:
 async def readyz(request: web.Request) -> web.Response:
     engine = request.app[ENGINE]
     redis = request.app[REDIS]
-    checks: dict[str, Any] = {"slot_dir": _dir_writable(str(engine.slot_dir))}
+    checks: dict[str, Any] = {"slot_dir": _dir_writable(str(engine.files.slot_dir))}
 
     async def llama_server() -> None:
         try:

@@ -19,6 +19,7 @@ from tiers.store import FetchResult, TieredStore
 from .costmodel import CostModel
 from .metrics import Metrics
 from .slotfiles import SlotFiles
+from .slots import Lease
 from .watcher import Target
 
 log = logging.getLogger("kvtier.engine")
@@ -46,9 +47,11 @@ class RestoreWriter:
         self.cost = cost
         self.metrics = metrics
 
-    async def restore_prefix(self, slot: int, namespace: Namespace, found: PrefixFound, tokens: np.ndarray,
-                             cached: int, target: Target) -> Restored | None:
-        """Fetch ``found`` and load it into ``slot``; None when less than ``cached`` tokens arrived."""
+    async def restore_prefix(self, lease: Lease, namespace: Namespace, found: PrefixFound, tokens: np.ndarray,
+                             target: Target, *, owner: str) -> Restored | None:
+        """Fetch ``found`` and load it into the leased slot, and record in the slot table what it now
+        holds (for tenant ``owner``); None when no more than the slot held already arrived."""
+        slot, cached = lease.slot, lease.cached_tokens
         t0 = time.perf_counter()
         got = await fetch_prefix(self.store, namespace, found)
         if got.n_tokens <= cached:
@@ -67,12 +70,16 @@ class RestoreWriter:
         done = Restored(got.n_tokens, max(got.tiers, key=order.index), (time.perf_counter() - t0) * 1000,
                         chunks, TailRecord(got.tail.key, got.n_tokens) if got.tail is not None else None)
         self._count(done, nbytes, cached)
+        lease.table.set_tokens(slot, tokens[:done.n_tokens].copy(), owner=owner)
+        if done.tail is not None:
+            lease.table.slots[slot].tail = done.tail
         log.info("slot %d: restored %d tokens from %s in %.1f ms", slot, done.n_tokens, done.tier, done.ms)
         return done
 
-    async def restore_session(self, slot: int, namespace: Namespace, manifest: Manifest, target: Target,
-                              cached: int = 0) -> Restored:
-        """Restore a whole session (chunks and tail) into ``slot``.
+    async def restore_session(self, lease: Lease, namespace: Namespace, manifest: Manifest, target: Target, *,
+                              owner: str, cached: int = 0) -> Restored:
+        """Restore a whole session (chunks and tail) into the leased slot, and record it in the slot
+        table (for tenant ``owner``).
 
         Raises:
             SessionIncomplete: a chunk or the tail is gone. LlamaServerError: the restore was refused.
@@ -80,9 +87,10 @@ class RestoreWriter:
         t0 = time.perf_counter()
         payloads, tier = await self.sessions.fetch(namespace, manifest)
         self.metrics.restore_phase_seconds.labels("fetch").observe(time.perf_counter() - t0)
-        nbytes, _ = await self.load(slot, payloads, manifest.tokens, target)
+        nbytes, _ = await self.load(lease.slot, payloads, manifest.tokens, target)
         done = Restored(int(manifest.tokens.size), tier or "memory", (time.perf_counter() - t0) * 1000)
         self._count(done, nbytes, cached)
+        lease.table.set_tokens(lease.slot, manifest.tokens.copy(), owner=owner)
         return done
 
     async def load(self, slot: int, payloads: Sequence[bytes | memoryview], tokens: np.ndarray,

@@ -428,7 +428,7 @@ async def test_a_slot_used_behind_kvtiers_back_is_read_again(cluster: Cluster) -
     longer = first["prompt"] + ans.content + " Question: and how many does box 12 hold? Answer:"
     direct = await post(c.llama_b.url + "/completion", {**first, "prompt": longer, "cache_prompt": True})
     assert direct.status == 200 and direct.prompt_n < 40  # llama-server extended its own slot
-    await c.b.engine.check_server()  # what the health watcher runs every few seconds
+    await c.b.engine.watcher.check_server()  # what the health watcher runs every few seconds
     assert c.b.engine.slots.slots[1].tokens.size > stored
     third = longer + direct.content + " Question: and box 13? Answer:"
     ans = await post(c.b.url + "/completion", {**first, "prompt": third})
