@@ -176,7 +176,7 @@ async def test_sessions_api_reads_a_body_sent_in_two_pieces(node: Node) -> None:
 async def _give_up(node: Node, n: int) -> None:
     """``n`` long generations (half streamed) whose clients leave after 2 s."""
     async def impatient(i: int) -> None:
-        body = {"prompt": f"Story {i}: once upon a time", "n_predict": 300, "ignore_eos": True,
+        body = {"prompt": f"Story {i}: once upon a time", "n_predict": 1500, "ignore_eos": True,
                 "temperature": 0, "stream": i % 2 == 0}
         async with aiohttp.ClientSession() as s:
             try:
@@ -192,7 +192,8 @@ async def _give_up(node: Node, n: int) -> None:
 async def test_clients_that_give_up_leave_the_queue_and_are_counted(node: Node,
                                                                      caplog: pytest.LogCaptureFixture) -> None:
     """Eight long generations on two slots, every client gone after 2 s: none is answered as ok, all
-    eight are counted as client_gone, the queue is empty, and no disconnect is logged as an error."""
+    eight are counted as client_gone, the queue is empty, no disconnect is logged as an error, and
+    llama-server stops the two it was running."""
     caplog.set_level(logging.INFO)
     before_ok = node.sc.metric("kvtier_requests_total", path="completion", outcome="ok")
     before_gone = node.sc.metric("kvtier_requests_total", path="completion", outcome="client_gone")
@@ -205,9 +206,14 @@ async def test_clients_that_give_up_leave_the_queue_and_are_counted(node: Node,
     assert node.sc.metric("kvtier_requests_total", path="completion", outcome="ok") == before_ok
     assert node.sc.engine.slots.queue_depth == 0
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], [r.getMessage() for r in caplog.records]
+    # The two that were running were stopped: kvtier closed their connections, which llama-server
+    # checks once its results queue has been quiet for a second (any result, even of a /slots call,
+    # restarts that second: hence the slow polling here). Left running they need another ~15 s.
+    t0 = time.monotonic()
+    while not await slots_idle(node.llama):
+        assert time.monotonic() - t0 < 5, "llama-server still generates for clients that left"
+        await asyncio.sleep(1.5)
     await node.sc.engine.drain(30)
-    while not await slots_idle(node.llama):  # let the next tests start with llama-server idle
-        await asyncio.sleep(0.2)
 
 
 # -- 10: one request, bounded memory ------------------------------------------------------------------------
