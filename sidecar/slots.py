@@ -56,6 +56,9 @@ class Slot:
     # What it holds is not known (a failed or cancelled request, a save that failed): llama-server
     # may still hold the owner's KV, so another tenant's request erases it before use.
     unknown: bool = False
+    # The id of the last task llama-server reported for it. Task ids only grow within one
+    # llama-server process: one that went down, or vanished, means the server restarted.
+    task_id: int | None = None
 
 
 @dataclass(slots=True, eq=False)

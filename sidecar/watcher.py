@@ -148,6 +148,7 @@ class ServerWatcher:
         layout = layout_state.layout
         if layout is None or layout_state.v_trans is None:
             raise LlamaServerError("could not learn the KV layout from a saved slot")
+        _restarted_since(table, await self.client.slots())  # records each slot's last task id
         ns = Namespace(layout_fingerprint(model_id, layout), chunk_tokens=self.settings.chunk_tokens)
         n_ctx = int(props.get("default_generation_settings", {}).get("n_ctx") or 0)
         await self.prompts.setup(props, self.settings.model or model_path)
@@ -222,8 +223,14 @@ class ServerWatcher:
             log.warning("llama-server changed (model, build or slots): relearning it")
             self.forget()
             return
+        infos = await self.client.slots()
+        if _restarted_since(table, infos):
+            # Even a slot kvtier is saving now holds another process's KV (or none): relearn all.
+            log.warning("llama-server restarted (a slot's task id went back): relearning it")
+            self.forget()
+            return
         lost = 0
-        for info in await self.client.slots():
+        for info in infos:
             slot_id = info.get("id")
             if not isinstance(slot_id, int) or not 0 <= slot_id < table.n_slots:
                 continue
@@ -265,3 +272,19 @@ class ServerWatcher:
             # may hold that tenant's KV): any other tenant's request erases it before use.
             table.set_tokens(slot_id, state.tokens.tokens.copy())
             return True
+
+
+def _restarted_since(table: SlotTable, infos: list[dict[str, Any]]) -> bool:
+    """Whether ``/slots`` shows a process other than the one that last reported to ``table``: a
+    slot's task id lower than it was, or gone. Records the ids it sees."""
+    restarted = False
+    for info in infos:
+        slot_id, task = info.get("id"), info.get("id_task")
+        if not isinstance(slot_id, int) or not 0 <= slot_id < table.n_slots:
+            continue
+        slot = table.slots[slot_id]
+        task = task if isinstance(task, int) and not isinstance(task, bool) else None
+        if slot.task_id is not None and (task is None or task < slot.task_id):
+            restarted = True
+        slot.task_id = task
+    return restarted

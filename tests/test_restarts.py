@@ -22,6 +22,7 @@ import pytest
 import pytest_asyncio
 import redis
 
+from sidecar import engine as engine_module
 from sidecar.config import Settings
 from tests.ggufgen import ModelShape, write_random_llama
 from tests.servers import LlamaServer, RedisProc, llama_server, smollm2_path
@@ -87,6 +88,30 @@ async def test_the_next_turn_at_once_keeps_its_own_slot(node: tuple[LlamaServer,
     assert slots[1] == slots[0] and slots[2] == slots[0], slots
     assert max(computed[1:]) < CHUNK, computed  # only the new turn, not the history
     await settle(sc)
+
+
+async def test_a_turn_planned_before_a_restart_does_not_judge_the_new_server(
+        node: tuple[LlamaServer, Sidecar], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A turn answered by the old server whose save comes after a restart: kvtier must not compare
+    its prompt with what the new server's slot holds (they differ, and in-process chat rendering
+    would be turned off for good); the save is skipped instead."""
+    llama, sc = node
+    assert await sc.engine.ensure_ready()
+    await settle(sc)
+    monkeypatch.setattr(engine_module, "SAVE_DELAY_S", 6.0)  # room for a restart before the save
+    assert sc.metric("kvtier_prompt_in_process", step="render") == 1
+    mismatches = sc.metric("kvtier_prompt_mismatches_total", step="render")
+    skipped = sc.metric("kvtier_cache_errors_total", stage="server_changed")
+    ans = await post(sc.url + "/v1/chat/completions", {**chat([], "What does shelf 5 hold?"), "id_slot": 1})
+    assert ans.status == 200 and ans.headers["X-KVTier-Slot"] == "1"
+    llama.restart()
+    # The new server's slot 1 gets another conversation before the old turn's save looks at it.
+    other = {"messages": [{"role": "user", "content": "Name three rivers."}], "max_tokens": 2, "id_slot": 1}
+    assert (await post(llama.url + "/v1/chat/completions", other)).status == 200
+    await settle(sc)
+    assert sc.metric("kvtier_cache_errors_total", stage="server_changed") == skipped + 1
+    assert sc.metric("kvtier_prompt_mismatches_total", step="render") == mismatches
+    assert sc.metric("kvtier_prompt_in_process", step="render") == 1
 
 
 # -- a model swapped behind the same URL ----------------------------------------------------------
