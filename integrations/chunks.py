@@ -513,11 +513,11 @@ def retarget_state(state: SeqState | BytesLike, n_stream: int) -> memoryview:
     """Rewrite a whole state for a target with another stream count (cells move to stream 0).
 
     Raises:
-        StateFormatError: opaque memory, or cells in more than one stream of a cache.
+        StateFormatError: opaque, recurrent or hybrid memory, or cells in more than one stream of a cache.
     """
     if not isinstance(state, SeqState):
         state = parse_state(state)
-    if not state.caches:
+    if not state.caches or state.recurrent is not None:  # a recurrent state has no streams to move
         raise StateFormatError(f"cannot change the stream count of {state.memory_kind} memory")
     caches = []
     for cache in state.caches:

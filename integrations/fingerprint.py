@@ -27,7 +27,8 @@ from tiers.errors import StateFormatError
 from tiers.keys import Namespace
 
 from .chunks import ChunkInfo, read_chunk_header
-from .statefile import SeqState, StateLayout, ggml_type_name, parse_state
+from .recurrentstate import RecurrentState
+from .statefile import KVCache, KVStream, SeqState, StateLayout, ggml_type_name, parse_state
 
 BLOCK_BYTES = 8 << 20  # 8 MiB reads while hashing a model
 CACHE_FILE = "model-ids.json"
@@ -127,13 +128,13 @@ def layout_fingerprint(
 ) -> str:
     """Fingerprint of model identity + layer count + K/V types + K/V row sizes (not the V layout).
 
-    A state whose memory is opaque (recurrent, hybrid) has no KV layout: its fingerprint is the
-    model identity's alone, for whole-state storage.
+    A state with opaque, recurrent or hybrid memory has no KV layout: its fingerprint is the model
+    identity's alone, for whole-state storage (the same as when such memory was read as opaque).
 
     Returns:
         32 hex characters (BLAKE2b-128), stable across processes and machines.
     """
-    if isinstance(state_or_layout, SeqState) and state_or_layout.memory_kind == "opaque":
+    if isinstance(state_or_layout, SeqState) and not _has_kv_layout(state_or_layout):
         parts = [FINGERPRINT_VERSION, model_id, "opaque"]
     else:
         layout = layout_of(state_or_layout)
@@ -142,11 +143,51 @@ def layout_fingerprint(
     return hashlib.blake2b("\0".join(parts).encode(), digest_size=16).hexdigest()
 
 
+def _has_kv_layout(state: SeqState) -> bool:
+    return state.memory_kind in ("kv", "kv_pair")
+
+
 # -- inspect --------------------------------------------------------------------------------------
 
 
+def _pos_range(streams: list[KVStream] | list[RecurrentState]) -> list[int] | None:
+    full = [s for s in streams if s.n_cells]
+    return [int(min(s.pos.min() for s in full)), int(max(s.pos.max() for s in full))] if full else None
+
+
+def _describe_cache(cache: KVCache) -> dict[str, Any]:
+    full = next((s for s in cache.streams if s.n_cells), None)
+    return {
+        "n_stream": cache.n_stream,
+        "stream_cells": [s.n_cells for s in cache.streams],
+        "stream_pos_ranges": [_pos_range([s]) for s in cache.streams],
+        "n_layer": len(full.layers) if full else None,
+        "bytes_per_token": sum(la.k_row_size + la.v_row_size for la in full.layers) if full else None,
+    }
+
+
+def _describe_recurrent(rec: RecurrentState) -> dict[str, Any]:
+    la = rec.layers[0]  # every recurrent layer has the same R and S types and row sizes
+    return {
+        "n_cells": rec.n_cells,
+        "pos": rec.pos.tolist(),
+        "seq_ids": rec.seq_ids.tolist(),
+        "n_layer": rec.n_layer,
+        "n_recurrent_layers": len(rec.layers),
+        "r_type": ggml_type_name(la.r_type),
+        "r_row_size": la.r_row_size,
+        "s_type": ggml_type_name(la.s_type),
+        "s_row_size": la.s_row_size,
+        "bytes": rec.nbytes,
+    }
+
+
 def describe(state: SeqState) -> dict[str, Any]:
-    """JSON-ready summary of a parsed state (what ``kvtier state inspect`` prints)."""
+    """JSON-ready summary of a parsed state (what ``kvtier state inspect`` prints).
+
+    The top-level K/V fields cover every KV cache; ``caches`` has the cells and positions of each
+    (iSWA and hybrid-iSWA memory have two) and ``recurrent`` the recurrent state, or None.
+    """
     layout = state.layout
     full = state.cell_streams()
     # One stream per cache describes the layers (every stream of a cache has the same ones).
@@ -165,7 +206,7 @@ def describe(state: SeqState) -> dict[str, Any]:
         "cells": sum(s.n_cells for s in full),
         "cell_ext": state.cell_ext,
         "seq_ids": sorted({int(x) for s in full for x in np.unique(s.seq_ids)}),
-        "pos_range": [int(min(s.pos.min() for s in full)), int(max(s.pos.max() for s in full))] if full else None,
+        "pos_range": _pos_range(full),
         "n_layer": layout.n_layer if layout else None,
         "v_trans": state.v_trans,
         "k_types": [ggml_type_name(la.k_type) for la in layers],
@@ -175,6 +216,9 @@ def describe(state: SeqState) -> dict[str, Any]:
         "bytes_per_token": layout.bytes_per_token if layout else None,
         "splittable": state.splittable,
         "split_reason": state.split_reason,
+        "opaque_reason": state.opaque_reason,
+        "caches": [_describe_cache(c) for c in state.caches],
+        "recurrent": _describe_recurrent(state.recurrent) if state.recurrent is not None else None,
     }
 
 
@@ -192,7 +236,7 @@ def inspect(path: str | Path, *, model: str | Path | None = None, chunk_tokens: 
     """
     state = parse_state(Path(path).read_bytes(), allow_opaque=True)
     info = describe(state)
-    if model is not None and (state.layout is not None or state.memory_kind == "opaque"):
+    if model is not None and (state.layout is not None or not _has_kv_layout(state)):
         ident = model_identity(model)
         fp = layout_fingerprint(ident, state)
         ns = Namespace(fp, chunk_tokens=chunk_tokens) if chunk_tokens else Namespace(fp)
@@ -203,6 +247,48 @@ def inspect(path: str | Path, *, model: str | Path | None = None, chunk_tokens: 
 def _compact(values: list[Any]) -> str:
     uniq = list(dict.fromkeys(values))
     return str(uniq[0]) if len(uniq) == 1 else ",".join(map(str, values))
+
+
+def _span(pos_range: list[int] | None) -> str:
+    return f"{pos_range[0]}..{pos_range[1]}" if pos_range else "-"
+
+
+def _table(file: str, info: dict[str, Any]) -> list[tuple[str, str]]:
+    media = f", {info['n_media']} media" if info["n_media"] else ""
+    rows = [
+        ("file", f"{file} ({info['file_bytes']:,} bytes)"),
+        ("tokens", f"{info['n_tokens']} ({info['token_format']}{media})"),
+        ("memory", f"{info['memory_kind']} ({info['memory_bytes']:,} bytes)"),
+    ]
+    if info["opaque_reason"]:
+        rows.append(("not parsed", info["opaque_reason"]))
+    for i, c in enumerate(info["caches"]):
+        name = "KV cache" if len(info["caches"]) == 1 else f"KV cache {i}"
+        spans = ", ".join(_span(r) for r in c["stream_pos_ranges"])
+        layers = f"{c['n_layer'] or '-'} layers, {c['bytes_per_token'] or '-'} bytes/token"
+        rows.append((name, f"{c['n_stream']} stream(s), cells per stream {c['stream_cells']}, positions {spans}; {layers}"))
+    if info["caches"]:
+        rows += [
+            ("cells", f"{info['cells']}  positions {_span(info['pos_range'])}  seq ids {info['seq_ids']}"),
+            ("V layout", {None: "-", False: "rows (flash attention)", True: "transposed"}[info["v_trans"]]),
+            ("K types", _compact(info["k_types"]) or "-"),
+            ("V types", _compact(info["v_types"]) or "-"),
+            ("K/V row bytes", f"{_compact(info['k_row_sizes']) or '-'} / {_compact(info['v_row_sizes']) or '-'}"),
+        ]
+    rec = info["recurrent"]
+    if rec is not None:
+        at = f"positions {rec['pos']}" if rec["n_cells"] else "no cells"
+        rows += [
+            ("recurrent", f"{rec['n_cells']} cell(s), {at}, seq ids {rec['seq_ids'] or '-'} ({rec['bytes']:,} bytes)"),
+            ("recurrent layers", f"{rec['n_recurrent_layers']} of {rec['n_layer']}"),
+            ("R (conv) rows", f"{rec['r_type']}, {rec['r_row_size']} bytes per cell and layer"),
+            ("S (SSM) rows", f"{rec['s_type']}, {rec['s_row_size']} bytes per cell and layer"),
+        ]
+    rows += [
+        ("bytes/token", str(info["bytes_per_token"] or "-")),
+        ("splittable", "yes" if info["splittable"] else f"no: {info['split_reason']}"),
+    ]
+    return rows
 
 
 def inspect_main(argv: list[str]) -> int:
@@ -221,21 +307,7 @@ def inspect_main(argv: list[str]) -> int:
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
-    media = f", {info['n_media']} media" if info["n_media"] else ""
-    rows = [
-        ("file", f"{args.file} ({info['file_bytes']:,} bytes)"),
-        ("tokens", f"{info['n_tokens']} ({info['token_format']}{media})"),
-        ("memory", f"{info['memory_kind']} ({info['memory_bytes']:,} bytes)"),
-        ("streams", f"{info['n_stream']}  cells per stream {info['stream_cells']}"),
-        ("cells", f"{info['cells']}  positions {info['pos_range']}  seq ids {info['seq_ids']}"),
-        ("layers", str(info["n_layer"])),
-        ("V layout", {None: "-", False: "rows (flash attention)", True: "transposed"}[info["v_trans"]]),
-        ("K types", _compact(info["k_types"]) or "-"),
-        ("V types", _compact(info["v_types"]) or "-"),
-        ("K/V row bytes", f"{_compact(info['k_row_sizes']) or '-'} / {_compact(info['v_row_sizes']) or '-'}"),
-        ("bytes/token", str(info["bytes_per_token"])),
-        ("splittable", "yes" if info["splittable"] else f"no: {info['split_reason']}"),
-    ]
+    rows = _table(args.file, info)
     if "fingerprint" in info:
         rows += [("model id", info["model_id"]), ("fingerprint", info["fingerprint"]),
                  ("namespace", f"{info['namespace_id']} ({info['chunk_tokens']}-token chunks)")]

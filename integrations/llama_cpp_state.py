@@ -250,7 +250,7 @@ def probe_context(llm: Any) -> ContextInfo:
     layout = state.layout if state.memory_kind != "opaque" else None
     if layout is None or state.v_trans is None or state.n_stream is None:
         raise StateFormatError(f"cannot learn the KV layout of this context ({state.memory_kind} memory: "
-                               f"{state.opaque_reason or 'no cells'})")
+                               f"{state.opaque_reason or state.split_reason or 'no cells'})")
     # Only what the model imposes counts here (what a context happens to hold may change).
     reason = state.split_reason if state.memory_kind != "kv" or state.cell_ext else None
     return ContextInfo(arch_header, state.n_stream, bool(state.v_trans), layout, int(llm.n_ctx()), reason)

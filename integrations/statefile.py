@@ -18,11 +18,24 @@ zero-padded to whole i32 words. The memory state of a standard KV cache
                      v_trans = 1: i32 type, u32 el_size, u32 n_embd_v_gqa,
                                   n_embd_v_gqa x (cell_count x el_size)
 
-Sliding-window models write two such caches back to back (``llama_kv_cache_iswa``); recurrent and
-hybrid memory write other layouts. The parser is strict: the memory state must be one or two
-standard KV caches that consume every byte, or it is *opaque* (kept as raw bytes, never split).
+Sliding-window models write two such caches back to back (``llama_kv_cache_iswa``: the
+full-attention layers' cache, then the sliding-window layers'). Recurrent models (Mamba, RWKV)
+write a recurrent state instead (``llama_memory_recurrent``, see ``recurrentstate``), and hybrid
+models write their attention KV cache, or two of them with sliding windows, then the recurrent
+state of their other layers (``llama_memory_hybrid`` / ``llama_memory_hybrid_iswa``)::
+
+    memory_kind   memory state
+    kv            KV cache
+    kv_pair       KV cache, KV cache
+    recurrent     recurrent state
+    hybrid        KV cache [, KV cache], recurrent state
+
+The parser is strict: the memory state must be one of these and consume every byte, or it is
+*opaque* (kept as raw bytes, reported with the reason, never split): a context without memory,
+three KV caches (DeepSeek-V3.2's DSA with sliding windows), an indexer cache after the recurrent
+state (``llama_memory_hybrid_idx``), K-only caches (V skipped for some layers), anything else.
 Every count is checked against the bytes left before it is used, so a damaged header can never
-cause a large allocation, and all K/V data are numpy views into the caller's buffer.
+cause a large allocation, and all K/V/R/S data are numpy views into the caller's buffer.
 """
 
 from __future__ import annotations
@@ -30,11 +43,17 @@ from __future__ import annotations
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from tiers.errors import StateFormatError
+
+from .recurrentstate import RecurrentState, parse_recurrent, write_recurrent
+from .statereader import CELL_HEAD as _CELL_HEAD
+from .statereader import MAX_LAYERS, StateReader
+from .statereader import ROW_HEAD as _K_HEAD
+from .statereader import TWO_U32 as _TWO_U32
+from .statereader import U32 as _U32
 
 GGSQ_MAGIC = 0x67677371  # 'ggsq'
 GGSQ_VERSION = 3  # LLAMA_STATE_SEQ_VERSION of the pinned llama.cpp
@@ -42,7 +61,7 @@ LLAMA_TOKEN_NULL = -1
 SERVER_TOKENS_VERSION = 1  # SERVER_TOKENS_STATE_VERSION (tools/server/server-common.cpp)
 HEADER_BYTES = 12  # magic, version, n
 MAX_STREAMS = 1 << 16  # llama.cpp allows 256 sequences; more streams than this is damage
-MAX_LAYERS = 1 << 16
+MAX_KV_CACHES = 2  # iSWA: base and sliding-window
 
 # The ggml types a KV cache may hold (common/arg.cpp ``kv_cache_types``): id -> (name, block, bytes).
 # Other types still parse (rows are opaque bytes); they only lack a name and cannot be transposed.
@@ -64,12 +83,8 @@ CELL_EXT_DTYPE = np.dtype(
     [("pos", "<i4"), ("n_seq_id", "<u4"), ("x", "<i4"), ("y", "<i4"), ("tok", "<i4"), ("seq_id", "<i4")]
 )
 
-_U32 = struct.Struct("<I")
-_K_HEAD = struct.Struct("<iQ")  # type, row size
 _VT_HEAD = struct.Struct("<iII")  # type, element size, n_embd_v_gqa
-_CELL_HEAD = struct.Struct("<iI")  # pos, n_seq_id
 _EXT = struct.Struct("<iii")  # llama_kv_cell_ext: x, y, tok
-_TWO_U32 = struct.Struct("<II")
 
 
 def ggml_type_name(type_id: int) -> str:
@@ -186,8 +201,10 @@ class SeqState:
     """A parsed sequence-state file.
 
     ``memory_kind`` is ``kv`` (one standard KV cache), ``kv_pair`` (two, as sliding-window models
-    write) or ``opaque`` (recurrent, hybrid, no memory, anything else; only with ``allow_opaque``).
-    ``memory`` is always the raw memory-state bytes.
+    write), ``recurrent`` (a recurrent state only), ``hybrid`` (one or two KV caches, then a
+    recurrent state) or ``opaque`` (no memory, anything else; only with ``allow_opaque``, the
+    parser's reason in ``opaque_reason``). ``caches`` are the KV caches, ``recurrent`` the
+    recurrent state; ``memory`` is always the raw memory-state bytes.
     """
 
     version: int
@@ -198,6 +215,7 @@ class SeqState:
     memory: memoryview
     nbytes: int
     opaque_reason: str | None = None
+    recurrent: RecurrentState | None = None
 
     @property
     def n_tokens(self) -> int:
@@ -213,7 +231,13 @@ class SeqState:
 
     @property
     def layout(self) -> StateLayout | None:
-        """Layer layout of the (first, for ``kv_pair`` both) caches; None without cells."""
+        """Layer layout of the (first, for ``kv_pair`` both) caches; None without cells.
+
+        None for recurrent and hybrid memory too: a KV layout describes per-token bytes, and a
+        recurrent state is not per token (kvtier stores such states whole, if at all).
+        """
+        if self.recurrent is not None:
+            return None
         layers: list[LayerLayout] = []
         for cache in self.caches:
             full = next((s for s in cache.streams if s.n_cells), None)
@@ -230,9 +254,11 @@ class SeqState:
     @property
     def split_reason(self) -> str | None:
         """Why this state cannot be split into prefix chunks, or None when it can."""
+        if self.recurrent is not None:
+            return _recurrent_reason(self.recurrent, len(self.caches))
         if self.memory_kind != "kv":
             if self.memory_kind == "kv_pair":
-                return "two KV caches (sliding-window attention)"
+                return "two KV caches (sliding-window attention; DSA and MSA models also write two)"
             return f"memory state is not a standard KV cache ({self.opaque_reason})"
         if self.cell_ext:
             return "cells carry llama_kv_cell_ext (M-RoPE or PLE model)"
@@ -261,42 +287,18 @@ class SeqState:
         return self.split_reason is None
 
 
+def _recurrent_reason(rec: RecurrentState, n_caches: int) -> str:
+    where = f"as of position {int(rec.pos.max())}" if rec.n_cells else "empty"
+    state = f"{len(rec.layers)} of {rec.n_layer} layers, {where}"
+    why = "one state per sequence as of its last token"
+    if not n_caches:
+        return f"recurrent memory ({state}): {why}, not K/V per token, so no shorter prefix can be cut from it"
+    caches = "the KV cache holds" if n_caches == 1 else f"the {n_caches} KV caches hold"
+    return (f"hybrid memory: {caches} K/V per token, but the recurrent state ({state}) is {why}, "
+            "so no shorter prefix can be cut from it")
+
+
 # -- parse ----------------------------------------------------------------------------------------
-
-
-class _Reader:
-    """Bounds-checked little-endian reads over a uint8 array; views, never copies."""
-
-    __slots__ = ("arr", "end", "mv", "pos")
-
-    def __init__(self, arr: np.ndarray, pos: int, end: int):
-        self.arr = arr
-        self.mv = arr.data
-        self.pos = pos
-        self.end = end
-
-    @property
-    def left(self) -> int:
-        return self.end - self.pos
-
-    def need(self, n: int, what: str) -> None:
-        if n > self.end - self.pos:
-            raise StateFormatError(f"{what} needs {n} bytes at offset {self.pos}, only {self.left} left")
-
-    def unpack(self, st: struct.Struct, what: str) -> tuple[Any, ...]:
-        self.need(st.size, what)
-        out = st.unpack_from(self.mv, self.pos)
-        self.pos += st.size
-        return out
-
-    def u32(self, what: str) -> int:
-        return int(self.unpack(_U32, what)[0])
-
-    def view(self, nbytes: int, what: str) -> np.ndarray:
-        self.need(nbytes, what)
-        out = self.arr[self.pos : self.pos + nbytes]
-        self.pos += nbytes
-        return out
 
 
 def as_uint8(data: bytes | bytearray | memoryview | np.ndarray) -> np.ndarray:
@@ -311,15 +313,15 @@ def parse_state(data: bytes | bytearray | memoryview | np.ndarray, *, allow_opaq
 
     Args:
         data: the file's bytes (kept alive by the views; a bytearray cannot be resized meanwhile).
-        allow_opaque: accept a memory state that is not one or two standard KV caches (recurrent,
-            hybrid, cell layouts this parser does not know) as raw bytes instead of raising.
+        allow_opaque: accept a memory state that fits none of the layouts this parser knows (see
+            the module doc) as raw bytes instead of raising.
 
     Raises:
         StateFormatError: wrong magic or version, truncated or damaged header, token section or
             (unless ``allow_opaque``) memory state.
     """
     arr = as_uint8(data)
-    r = _Reader(arr, 0, arr.size)
+    r = StateReader(arr, 0, arr.size)
     if arr.size < HEADER_BYTES:
         raise StateFormatError(f"not a sequence-state file: {arr.size} bytes, the header alone is {HEADER_BYTES}")
     magic, version, n_words = struct.unpack_from("<III", r.mv, 0)
@@ -335,13 +337,13 @@ def parse_state(data: bytes | bytearray | memoryview | np.ndarray, *, allow_opaq
     mem_start = r.pos
     memory = arr[mem_start:].data
     try:
-        caches, cell_ext = _parse_memory(arr, mem_start, arr.size)
+        mem = _parse_memory(arr, mem_start, arr.size)
     except StateFormatError as exc:
         if not allow_opaque:
             raise
         return SeqState(version, tokens, "opaque", (), False, memory, int(arr.size), str(exc))
-    kind = "kv" if len(caches) == 1 else "kv_pair"
-    return SeqState(version, tokens, kind, tuple(caches), cell_ext, memory, int(arr.size))
+    return SeqState(version, tokens, mem.kind, mem.caches, mem.cell_ext, memory, int(arr.size),
+                    recurrent=mem.recurrent)
 
 
 def _parse_token_section(words: np.ndarray) -> TokenSection:
@@ -362,7 +364,7 @@ def _parse_token_section(words: np.ndarray) -> TokenSection:
     if n_media > n - at - 1:
         raise StateFormatError(f"packed media count {n_media} exceeds the token section")
     media_keys = words[at + 1 : at + 1 + n_media].view("<u4")
-    r = _Reader(words.view(np.uint8), 4 * (at + 1 + n_media), 4 * n)
+    r = StateReader(words.view(np.uint8), 4 * (at + 1 + n_media), 4 * n)
     media: list[memoryview] = []
     for i in range(n_media):
         size = r.u32(f"media chunk {i} size")
@@ -372,32 +374,65 @@ def _parse_token_section(words: np.ndarray) -> TokenSection:
     return TokenSection(words, tokens, True, media_keys, tuple(media))
 
 
-def _parse_memory(arr: np.ndarray, start: int, end: int) -> tuple[list[KVCache], bool]:
+@dataclass(frozen=True, slots=True)
+class _Memory:
+    caches: tuple[KVCache, ...]
+    cell_ext: bool
+    recurrent: RecurrentState | None
+
+    @property
+    def kind(self) -> str:
+        if self.recurrent is not None:
+            return "hybrid" if self.caches else "recurrent"
+        return "kv" if len(self.caches) == 1 else "kv_pair"
+
+
+def _parse_memory(arr: np.ndarray, start: int, end: int) -> _Memory:
+    """Up to two KV caches, then, unless they end the file, a recurrent state that must.
+
+    Each reading is tried without and with ``llama_kv_cell_ext``; when none fits, the error is the
+    one of the reading that got furthest into the file (the likeliest to name the damage).
+    """
     if start == end:
         # Only a context without memory writes nothing here; for a KV cache it is truncation.
         raise StateFormatError(f"no memory state after the token section (offset {start})")
-    first_error: StateFormatError | None = None
+    failures: list[tuple[int, str]] = []
     for cell_ext in (False, True):
-        r = _Reader(arr, start, end)
+        r = StateReader(arr, start, end)
         caches: list[KVCache] = []
+        kv_failure: tuple[int, str] | None = None
+        while r.left and len(caches) < MAX_KV_CACHES:
+            at = r.pos
+            try:
+                caches.append(_parse_kv_cache(r, cell_ext))
+            except StateFormatError as exc:
+                kv_failure, r.pos = (r.pos, str(exc)), at
+                break
+        if not r.left:
+            return _Memory(tuple(caches), cell_ext, None)
+        at = r.pos
         try:
-            caches.append(_parse_kv_cache(r, cell_ext))
-            if r.left:
-                after = r.left
-                try:  # sliding-window models write a second cache right after the first
-                    caches.append(_parse_kv_cache(r, cell_ext))
-                except StateFormatError as exc:
-                    raise StateFormatError(f"{after} bytes after the KV cache state ({exc})") from None
-            if r.left:
-                raise StateFormatError(f"{r.left} bytes after two KV cache states")
-            return caches, cell_ext
+            return _Memory(tuple(caches), cell_ext, parse_recurrent(r))
         except StateFormatError as exc:
-            first_error = first_error or exc
-    assert first_error is not None
-    raise first_error
+            failures.append(_why_not(caches, end - at, kv_failure, (r.pos, str(exc))))
+    raise StateFormatError(max(failures)[1])
 
 
-def _parse_kv_cache(r: _Reader, cell_ext: bool) -> KVCache:
+def _why_not(caches: list[KVCache], left: int, kv: tuple[int, str] | None, rec: tuple[int, str]) -> tuple[int, str]:
+    """(how far the furthest reading got, the message) for memory that fits no known layout."""
+    furthest = max(rec[0], kv[0] if kv else 0)
+    if not caches:
+        assert kv is not None
+        readings = sorted([(kv[0], f"as a KV cache: {kv[1]}"), (rec[0], f"as a recurrent state: {rec[1]}")],
+                          reverse=True)
+        return furthest, "memory state fits no known layout; " + "; ".join(m for _, m in readings)
+    what = f"{left} bytes after {'the KV cache state' if len(caches) == 1 else 'two KV cache states'}"
+    if kv is None:
+        return furthest, f"{what} are not a recurrent state ({rec[1]})"
+    return furthest, f"{what} are neither a KV cache ({kv[1]}) nor a recurrent state ({rec[1]})"
+
+
+def _parse_kv_cache(r: StateReader, cell_ext: bool) -> KVCache:
     n_stream = r.u32("n_stream")
     if n_stream == 0 or n_stream > MAX_STREAMS or n_stream > r.left // 4:
         raise StateFormatError(f"implausible stream count {n_stream} ({r.left} bytes left)")
@@ -405,7 +440,7 @@ def _parse_kv_cache(r: _Reader, cell_ext: bool) -> KVCache:
     return KVCache(tuple(streams))
 
 
-def _parse_stream(r: _Reader, s: int, cell_ext: bool) -> KVStream:
+def _parse_stream(r: StateReader, s: int, cell_ext: bool) -> KVStream:
     n = r.u32(f"stream {s} cell count")
     if n == 0:
         return KVStream.empty()
@@ -444,7 +479,7 @@ def _parse_stream(r: _Reader, s: int, cell_ext: bool) -> KVStream:
 
 
 def _parse_cells(
-    r: _Reader, n: int, cell_ext: bool, s: int
+    r: StateReader, n: int, cell_ext: bool, s: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
     dtype = CELL_EXT_DTYPE if cell_ext else CELL_DTYPE
     if n * dtype.itemsize <= r.left:
@@ -477,8 +512,10 @@ def _parse_cells(
 def state_size(state: SeqState) -> int:
     """Bytes ``write_state`` will produce."""
     size = HEADER_BYTES + 4 * int(state.tokens.words.size)
-    if not state.caches:
+    if not state.caches and state.recurrent is None:
         return size + state.memory.nbytes
+    if state.recurrent is not None:
+        size += state.recurrent.nbytes
     for cache in state.caches:
         size += 4 + 4 * cache.n_stream
         for s in cache.streams:
@@ -524,7 +561,7 @@ def write_state(state: SeqState, out: bytearray | memoryview | np.ndarray | None
     words = state.tokens.words
     arr[at : at + 4 * words.size] = words.view(np.uint8)
     at += 4 * int(words.size)
-    if not state.caches:
+    if not state.caches and state.recurrent is None:
         arr[at:] = np.frombuffer(state.memory, np.uint8)
         return out
     for cache in state.caches:
@@ -535,6 +572,8 @@ def write_state(state: SeqState, out: bytearray | memoryview | np.ndarray | None
             at += 4
             if s.n_cells:
                 at = _write_stream(out, arr, at, s)
+    if state.recurrent is not None:
+        at = write_recurrent(out, arr, at, state.recurrent)
     assert at == size
     return out
 
