@@ -14,10 +14,12 @@ hybrid model's attention layers), so the file holds m <= n_layer R blocks, then 
 read from the bytes themselves: the recurrent state is the last part of the memory, so row blocks
 are read up to the end of the file; there must be 2m of them, the first m alike and the last m
 alike (llama.cpp gives every layer the same R type and row size, ``n_embd_r``, and the same S type
-and row size, ``n_embd_s``). A row size may be 0 (LFM2 has no S state). A file that does not fit
-is not guessed at: the caller keeps the memory opaque. That is the case for ``s_trans = 1`` (the
-pinned llama.cpp never writes it), for models with a PLE conv history (an untyped ``u64 row_size``
-and rows after some layers' R rows) and for memory with anything after the recurrent state.
+and row size, ``n_embd_s``), and R unlike S: a file cut at a block boundary (R R S S cut to R R)
+would otherwise read as fewer layers. The recurrent models of the pinned llama.cpp all have
+``n_embd_r != n_embd_s`` (a row size may be 0: LFM2 has no S state); one where they matched would
+stay opaque. A file that does not fit is not guessed at: the caller keeps the memory opaque. So
+are ``s_trans = 1`` (the pinned llama.cpp never writes it), models with a PLE conv history (an
+untyped ``u64 row_size`` and rows after some layers' R rows) and anything after the recurrent state.
 """
 
 from __future__ import annotations
@@ -99,10 +101,15 @@ def parse_recurrent(r: StateReader) -> RecurrentState:
         raise StateFormatError(f"recurrent state: {len(blocks)} row blocks, expected an R and an S block "
                                "per recurrent layer")
     m = len(blocks) // 2
+    heads: list[tuple[int, int]] = []
     for name, part in (("R", blocks[:m]), ("S", blocks[m:])):
         kinds = sorted({(t, row) for t, row, _ in part})
         if len(kinds) > 1:
             raise StateFormatError(f"recurrent state: {name} blocks of {m} layers differ in (type, row size): {kinds}")
+        heads.append(kinds[0])
+    if heads[0] == heads[1]:
+        # R R S S cut after the second block would read as one layer: only R unlike S tells the halves apart.
+        raise StateFormatError(f"recurrent state: R and S blocks alike {heads[0]}: cannot tell where the S blocks start")
     layers = tuple(RecurrentLayer(rt, rrow, rv, st, srow, sv)
                    for (rt, rrow, rv), (st, srow, sv) in zip(blocks[:m], blocks[m:]))
     return RecurrentState(n, pos, n_seq_id, seq_ids, int(n_layer), layers)
