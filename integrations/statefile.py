@@ -32,8 +32,8 @@ state of their other layers (``llama_memory_hybrid`` / ``llama_memory_hybrid_isw
 
 The parser is strict: the memory state must be one of these and consume every byte, or it is
 *opaque* (kept as raw bytes, reported with the reason, never split): a context without memory,
-three KV caches (DeepSeek-V3.2's DSA with sliding windows), an indexer cache after the recurrent
-state (``llama_memory_hybrid_idx``), K-only caches (V skipped for some layers), anything else.
+three KV caches (``llama_kv_cache_dsa_iswa``), an indexer cache after the recurrent state
+(``llama_memory_hybrid_idx``), K-only caches (V skipped for some layers), anything else.
 Every count is checked against the bytes left before it is used, so a damaged header can never
 cause a large allocation, and all K/V/R/S data are numpy views into the caller's buffer.
 """
