@@ -15,7 +15,10 @@ how they read and write a sequence state; what they do with one is the same, and
   Beside each new chunk and tail, small references are stored under the partial-tail keys of its
   first 16, 32, ... tokens, each naming the value and a cell count; attention is causal, so the
   first cells of a stored value are exactly what a prompt sharing only those tokens computes;
-- ``save_session``: a state as a named session (chunks, tail, manifest), announced.
+- ``save_session``: a state as a named session (chunks, tail, manifest), announced;
+- pending saves: a node that has just answered marks the prefixes its save will store
+  (``pending_marks``: every full chunk of the prompt, and its partial end to within ``REF_STEP``
+  tokens); a lookup that finds less than such a marker names (``find_pending``) may wait for it.
 """
 
 from __future__ import annotations
@@ -36,10 +39,12 @@ from tiers.keys import (
     common_prefix,
     events_channel,
     namespace_prefix,
+    pending_key,
     prefix_chain,
     tail_hash_after,
     tail_hashes,
 )
+from tiers.pending import PendingMark, PendingSaves
 from tiers.sessions import Manifest, SessionError, SessionStore
 from tiers.store import Announce, FetchResult, LookupResult, StoreResult, TailHit, TieredStore
 
@@ -89,6 +94,55 @@ class PrefixFound:
         if self.tail is not None:
             out[self.tail.tier] = out.get(self.tail.tier, 0) + self.tail.n_tokens * bytes_per_token
         return out
+
+
+@dataclass(frozen=True, slots=True)
+class PendingSave:
+    """A save in flight that will store ``n_tokens`` of a prompt (at least), under marker ``key``."""
+
+    key: bytes
+    n_tokens: int
+    mark: PendingMark
+
+
+def pending_marks(namespace: Namespace, tokens: np.ndarray) -> list[tuple[bytes, int]]:
+    """The markers (key, tokens it names) a save of a state that starts with ``tokens``, a prompt
+    just answered, sets before it runs: each full chunk, then the partial end rounded down to a
+    multiple of ``REF_STEP`` (what ``find_pending`` looks for)."""
+    C = namespace.chunk_tokens
+    chain = prefix_chain(namespace, tokens)
+    marks = [(pending_key(namespace, h), (i + 1) * C) for i, h in enumerate(chain)]
+    start = len(chain) * C
+    n = (int(tokens.size) - start) // REF_STEP * REF_STEP
+    if n:
+        parent = chain[-1] if chain else namespace.digest
+        marks.append((pending_key(namespace, tail_hash_after(parent, tokens[start: start + n])), start + n))
+    return marks
+
+
+async def find_pending(pending: PendingSaves, namespace: Namespace, tokens: np.ndarray, found: PrefixFound, *,
+                       n_ctx: int = 0) -> PendingSave | None:
+    """The save in flight that would give the most of ``tokens`` beyond ``found``, or None.
+
+    One Redis round trip: the markers of ``tokens``' full chunks after the found ones, and of its
+    partial ends after them every ``REF_STEP`` tokens.
+    """
+    C = namespace.chunk_tokens
+    limit = restorable_tokens(int(tokens.size), n_ctx)
+    chain = prefix_chain(namespace, tokens, limit // C)
+    k = found.chunks.n_chunks
+    probes = [(pending_key(namespace, chain[i]), (i + 1) * C) for i in range(k, len(chain))]
+    start = k * C
+    parent = chain[k - 1] if k else namespace.digest
+    ends = tail_hashes(parent, tokens[start: start + min(C - 1, limit - start)])
+    probes += [(pending_key(namespace, ends[n - 1]), start + n) for n in range(REF_STEP, len(ends) + 1, REF_STEP)]
+    probes = [(key, n) for key, n in probes if n > found.n_tokens]
+    marks = await pending.read([key for key, _ in probes])
+    best = None
+    for (key, n), mark in zip(probes, marks, strict=True):
+        if mark is not None and (best is None or n > best.n_tokens):
+            best = PendingSave(key, n, mark)
+    return best
 
 
 @dataclass(frozen=True, slots=True)

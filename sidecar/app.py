@@ -17,6 +17,7 @@ from integrations.kvflow import content_mismatch
 from integrations.llama_server import KEEPALIVE_S, LlamaServerClient
 from tiers import stack
 from tiers.codec import BlobCodec
+from tiers.pending import PendingSaves
 from tiers.redis_backend import RedisBackend
 from tiers.sessions import SessionStore
 from tiers.store import TieredStore
@@ -82,7 +83,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     metrics.attach_store(store)
     engine = KVEngine(settings, LlamaServerClient(settings.llama_url, session), store, metrics,
                       SessionStore(store, redis.manifests if redis is not None else None, check=content_mismatch),
-                      events=redis.events if redis is not None else None, witness=upstream.witness)
+                      events=redis.events if redis is not None else None, witness=upstream.witness,
+                      pending=PendingSaves(redis.connection) if redis is not None else None)
     app[UPSTREAM] = upstream
     app[STORE] = store
     app[REDIS] = redis.tier if redis is not None else None

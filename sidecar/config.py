@@ -137,6 +137,9 @@ class Settings:
                                               "slots", _bool)
     queue_limit: int = _option(32, "pending background Redis write jobs (one per saved slot) before the oldest "
                                    "is dropped", _int)
+    save_wait: float = _option(2.0, "longest a request waits for another node's save in flight that holds more of "
+                                     "its prompt than the tiers do; the cost model may wait less (0: never wait)",
+                               _float)
     restore_min_tokens: int = _option(0, "never restore fewer tokens than this (0 = cost model decides)", _int)
     prefill_tps_prior: float = _option(300.0, "prior prefill rate (tokens/s) before one is measured", _float)
     restore_gbps_prior: float = _option(0.5, "prior restore bandwidth (GB/s) before one is measured", _float)
@@ -298,6 +301,8 @@ def validate(s: Settings) -> None:
         raise ConfigError("max_prompt_chars must not be negative")
     if s.queue_limit <= 0:
         raise ConfigError("queue_limit must be positive")
+    if not 0 <= s.save_wait <= 60:
+        raise ConfigError("save_wait must be between 0 and 60 seconds")
     if s.restore_min_tokens < 0:
         raise ConfigError("restore_min_tokens must not be negative")
     if s.prefill_tps_prior <= 0 or s.restore_gbps_prior <= 0:

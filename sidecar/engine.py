@@ -28,6 +28,7 @@ from tiers.base import TierRole
 from tiers.errors import KVTierError
 from tiers.events import EventBus
 from tiers.keys import Namespace
+from tiers.pending import PendingSaves
 from tiers.sessions import Manifest, SessionNotFound, SessionStore
 from tiers.store import FetchResult, TieredStore
 
@@ -87,7 +88,7 @@ class KVEngine:
 
     def __init__(self, settings: Settings, client: LlamaServerClient, store: TieredStore, metrics: Metrics,
                  sessions: SessionStore, *, events: EventBus | None = None,
-                 witness: Callable[[], Witness | None] | None = None):
+                 witness: Callable[[], Witness | None] | None = None, pending: PendingSaves | None = None):
         self.settings = settings
         self.client = client
         self.store = store
@@ -98,9 +99,10 @@ class KVEngine:
         self.prompts = PromptTokens(client, metrics, in_process=settings.local_tokenizer != "off")
         self.watcher = ServerWatcher(settings, client, self.files, self.prompts, witness)
         self.sessions = sessions
-        self.planner = RestorePlanner(store, self.cost, metrics)
+        self.planner = RestorePlanner(store, self.cost, metrics, pending=pending, save_wait=settings.save_wait)
         self.restorer = RestoreWriter(store, self.sessions, self.files, self.cost, metrics)
-        self.saver = Saver(store, self.sessions, self.files, metrics, node_id=settings.node_id, events=events)
+        self.saver = Saver(store, self.sessions, self.files, metrics, node_id=settings.node_id, events=events,
+                           pending=pending)
         self.session_slots: dict[str, int] = {}  # session id -> the slot that served it last
         self._session_tier = _session_tier(store, sessions)
         self._pending: set[asyncio.Task[None]] = set()
@@ -271,56 +273,70 @@ class KVEngine:
         read for its timings there too, after it has been delivered."""
         record = plan.lease.table.slots[plan.lease.slot]
         record.served = record.saving = True
-        task = asyncio.get_running_loop().create_task(self._save_then_release(plan, ok, answer))
+        answered = time.perf_counter()
+        task = asyncio.get_running_loop().create_task(self._save_then_release(plan, ok, answer, answered))
         self._pending.add(task)
         self.metrics.pending_saves.set(len(self._pending))
         task.add_done_callback(self._pending.discard)
 
-    async def _save_then_release(self, plan: RequestPlan, ok: bool, answer: bytes | None) -> None:
+    async def _save_then_release(self, plan: RequestPlan, ok: bool, answer: bytes | None, answered: float) -> None:
         lease = plan.lease
         table = lease.table
-        try:
-            # Let the answer's last bytes reach the client first: on a small host the save (llama-server
-            # writing the slot file, kvtier splitting it) would compete for the CPU with its delivery.
-            await asyncio.sleep(SAVE_DELAY_S)
-            expected = max(plan.restored_tokens, plan.lease.cached_tokens)
-            if answer is not None and not self.planner.learn(Timings.from_answer(answer), int(plan.tokens.size),
-                                                             expected, lease.slot, follow_up=plan.follow_up):
-                self.watcher.doubt()  # a restart it has not noticed yet? Check before the next request
-            if plan.fetched is not None:
-                fetched, plan.fetched = plan.fetched, None
-                await self.store.promote(fetched)
-            if not ok:
-                # Nothing from a failed request is cached; what the slot holds now is unknown.
-                table.forget(lease.slot)
-                if plan.restored_session is not None:  # no save records the session's use
-                    await self.sessions.touch(plan.namespace, plan.restored_session)
+        # Other nodes learn first that this save is coming: a next turn of this conversation that
+        # reaches one of them may wait for it rather than recompute (saver.in_flight). The slot is
+        # free again once its state is read; the markers stay until Redis holds what was stored.
+        async with self.saver.in_flight(plan.namespace, plan.tokens if ok else NO_TOKENS):
+            try:
+                stored = await self._save(plan, ok, answer)
+            except Exception as exc:
+                # A failed save (a full slot dir, an unreachable tier) leaves the slot as it was:
+                # what the table knows of it (what was restored or saved last) is still a prefix of it.
+                self.metrics.cache_errors.labels("save").inc()
+                log.warning("saving slot %d failed: %s", lease.slot, exc)
                 return
-            if not await self.watcher.ensure_ready() or self.watcher.epoch != plan.epoch:
-                # llama-server restarted or changed since this request was planned: what its slot
-                # holds now may be another model's KV, which must never go under this namespace.
-                self.metrics.cache_errors.labels("server_changed").inc()
-                log.warning("slot %d: llama-server changed during the request; its state is not stored",
-                            lease.slot)
-                table.forget(lease.slot)
-                return
-            if plan.session_id is not None:
-                manifest = await self.save_session(lease, plan.namespace, plan.session_id, owner=plan.salt)
-                self.prompts.check(plan.prompt, manifest.tokens)
-            else:
-                state = await self.saver.save_slot(table, lease.slot, plan.namespace, owner=plan.salt)
-                self.prompts.check(plan.prompt, state.tokens.tokens)
-            # After the save, which set the slot's tokens (and so forgot what it answered).
-            table.slots[lease.slot].asked = plan.asked
-        except Exception as exc:
-            # A failed save (a full slot dir, an unreachable tier) leaves the slot as it was: what
-            # the table knows of it (what was restored or saved last) is still a prefix of it.
-            self.metrics.cache_errors.labels("save").inc()
-            log.warning("saving slot %d failed: %s", lease.slot, exc)
-        finally:
-            table.slots[lease.slot].saving = False
-            lease.release()
-            self.metrics.pending_saves.set(max(len(self._pending) - 1, 0))
+            finally:
+                table.slots[lease.slot].saving = False
+                lease.release()
+                self.metrics.pending_saves.set(max(len(self._pending) - 1, 0))
+            if stored:
+                await self.saver.readable(answered)
+
+    async def _save(self, plan: RequestPlan, ok: bool, answer: bytes | None) -> bool:
+        """Learn from the answer, then save the slot's state; False when nothing was stored."""
+        lease = plan.lease
+        table = lease.table
+        # Let the answer's last bytes reach the client first: on a small host the save (llama-server
+        # writing the slot file, kvtier splitting it) would compete for the CPU with its delivery.
+        await asyncio.sleep(SAVE_DELAY_S)
+        expected = max(plan.restored_tokens, plan.lease.cached_tokens)
+        if answer is not None and not self.planner.learn(Timings.from_answer(answer), int(plan.tokens.size),
+                                                         expected, lease.slot, follow_up=plan.follow_up):
+            self.watcher.doubt()  # a restart it has not noticed yet? Check before the next request
+        if plan.fetched is not None:
+            fetched, plan.fetched = plan.fetched, None
+            await self.store.promote(fetched)
+        if not ok:
+            # Nothing from a failed request is cached; what the slot holds now is unknown.
+            table.forget(lease.slot)
+            if plan.restored_session is not None:  # no save records the session's use
+                await self.sessions.touch(plan.namespace, plan.restored_session)
+            return False
+        if not await self.watcher.ensure_ready() or self.watcher.epoch != plan.epoch:
+            # llama-server restarted or changed since this request was planned: what its slot
+            # holds now may be another model's KV, which must never go under this namespace.
+            self.metrics.cache_errors.labels("server_changed").inc()
+            log.warning("slot %d: llama-server changed during the request; its state is not stored", lease.slot)
+            table.forget(lease.slot)
+            return False
+        if plan.session_id is not None:
+            manifest = await self.save_session(lease, plan.namespace, plan.session_id, owner=plan.salt)
+            self.prompts.check(plan.prompt, manifest.tokens)
+        else:
+            state = await self.saver.save_slot(table, lease.slot, plan.namespace, owner=plan.salt)
+            self.prompts.check(plan.prompt, state.tokens.tokens)
+        # After the save, which set the slot's tokens (and so forgot what it answered).
+        table.slots[lease.slot].asked = plan.asked
+        return True
 
     async def drain(self, timeout: float) -> bool:
         """Wait for pending saves (graceful shutdown)."""

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 
-from integrations.kvflow import PrefixFound, find_prefix, restorable_tokens
+from integrations.kvflow import PendingSave, PrefixFound, find_pending, find_prefix, restorable_tokens
 from integrations.llama_server import Timings, prefix_reused
+from tiers.base import TierRole
+from tiers.errors import KVTierError
 from tiers.keys import Namespace, common_prefix
+from tiers.pending import PendingSaves
 from tiers.sessions import Manifest
 from tiers.store import TieredStore
 
@@ -22,10 +26,13 @@ log = logging.getLogger("kvtier.engine")
 class RestorePlanner:
     """Looks up the longest stored prefix of a prompt and asks the cost model whether to restore it."""
 
-    def __init__(self, store: TieredStore, cost: CostModel, metrics: Metrics):
+    def __init__(self, store: TieredStore, cost: CostModel, metrics: Metrics, *,
+                 pending: PendingSaves | None = None, save_wait: float = 0.0):
         self.store = store
         self.cost = cost
         self.metrics = metrics
+        self.pending = pending  # markers of other nodes' saves in flight (Redis), or None
+        self.save_wait = save_wait  # the longest wait for one (settings.save_wait)
 
     async def plan(self, namespace: Namespace, tokens: np.ndarray, cached: int, target: Target,
                    slot: int) -> PrefixFound | None:
@@ -34,12 +41,55 @@ class RestorePlanner:
         if restorable_tokens(int(tokens.size), target.n_ctx_slot) // C * C <= cached:
             return None  # the slot holds every full chunk a restore could bring
         found = await find_prefix(self.store, namespace, tokens, n_ctx=target.n_ctx_slot)
+        if self.pending is not None and self.save_wait > 0:
+            found = await self._wait_for_save(namespace, tokens, found, cached, target, slot)
         gain = found.n_tokens - cached
         if gain <= 0:
             return None
         if not self._decide(gain, found.bytes_by_tier(C, target.bytes_per_token), slot):
             return None
         return found
+
+    async def _wait_for_save(self, namespace: Namespace, tokens: np.ndarray, found: PrefixFound, cached: int,
+                             target: Target, slot: int) -> PrefixFound:
+        """When another node is saving more of ``tokens`` than the tiers hold (the turn before
+        this one, say), wait for that save while waiting beats computing the difference, at most
+        ``save_wait``; then look up again. A save that ends, or whose node died, ends the wait."""
+        assert self.pending is not None
+        try:
+            save = await find_pending(self.pending, namespace, tokens, found, n_ctx=target.n_ctx_slot)
+        except KVTierError as exc:
+            log.debug("pending saves not read: %s", exc)
+            return found
+        have = max(found.n_tokens, cached)
+        if save is None or save.n_tokens <= have:
+            return found
+        bound = min(self.save_wait, self._worth_waiting(save, have, target))
+        if bound <= 0:
+            return found
+        t0 = time.perf_counter()
+        try:
+            gone = await self.pending.wait_gone(save.key, bound)
+        except KVTierError as exc:
+            log.debug("pending save not followed: %s", exc)
+            gone = False
+        waited = time.perf_counter() - t0
+        found_now = await find_prefix(self.store, namespace, tokens, n_ctx=target.n_ctx_slot)
+        outcome = "timeout" if not gone else "landed" if found_now.n_tokens > found.n_tokens else "failed"
+        self.metrics.save_waits.labels(outcome).inc()
+        self.metrics.save_wait_seconds.observe(waited)
+        log.info("slot %d: waited %.0f ms for %s's save of %d tokens (%s): the tiers hold %d, held %d",
+                 slot, waited * 1e3, save.mark.node or "another node", save.n_tokens, outcome,
+                 found_now.n_tokens, found.n_tokens)
+        return found_now
+
+    def _worth_waiting(self, save: PendingSave, have: int, target: Target) -> float:
+        """Seconds a wait for ``save`` may last and still beat recomputing what it would add."""
+        gain = save.n_tokens - have
+        remote = [t.name for t in self.store.tiers if t.role is TierRole.REMOTE]
+        tier = remote[0] if remote else self.store.tiers[-1].name
+        decision = self.cost.decide(gain, {tier: gain * target.bytes_per_token})
+        return decision.predicted_recompute_s - decision.predicted_restore_s
 
     def session_worth(self, manifest: Manifest, tokens: np.ndarray, cached: int, target: Target,
                       tier: str, slot: int) -> bool:

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 
-from integrations.kvflow import Publisher, save_session, store_state
+import numpy as np
+
+from integrations.kvflow import Publisher, pending_marks, save_session, store_state
 from integrations.statefile import SeqState
 from tiers.keys import Namespace
+from tiers.pending import PendingMark, PendingSaves
 from tiers.sessions import Manifest, SessionStore
 from tiers.store import TieredStore
 
@@ -22,14 +27,34 @@ class Saver:
     """Saves slots into the tiers (the flows of ``integrations.kvflow``) and keeps the slot table true."""
 
     def __init__(self, store: TieredStore, sessions: SessionStore, files: SlotFiles, metrics: Metrics, *,
-                 node_id: str, events: Publisher | None = None):
+                 node_id: str, events: Publisher | None = None, pending: PendingSaves | None = None):
         self.store = store
         self.sessions = sessions
         self.files = files
         self.metrics = metrics
         self.node_id = node_id
         self.events = events
+        self.pending = pending
         self._warned_unsplittable = False
+
+    @contextlib.asynccontextmanager
+    async def in_flight(self, namespace: Namespace, tokens: np.ndarray) -> AsyncIterator[None]:
+        """Tell other nodes, for the duration of the block, that a save of a state starting with
+        ``tokens`` (the prompt just answered) is coming: their next turn of it may wait for it."""
+        if self.pending is None or not tokens.size:
+            yield
+            return
+        keys = [key for key, _ in pending_marks(namespace, tokens)]
+        async with self.pending.held(keys, PendingMark(int(tokens.size), self.node_id)):
+            yield
+
+    async def readable(self, answered: float) -> None:
+        """Wait until Redis holds what was stored so far; observe the time since ``answered``
+        (``perf_counter()`` at the end of the answer)."""
+        if self.pending is None:
+            return
+        if await self.store.written(timeout=60):
+            self.metrics.save_readable_seconds.observe(time.perf_counter() - answered)
 
     async def save_slot(self, table: SlotTable, slot: int, namespace: Namespace, *, owner: str = "") -> SeqState:
         """Save ``slot``, store its new chunks and its partial tail, and record what it holds."""

@@ -49,6 +49,7 @@ SAMPLES: dict[str, tuple[Any, Any]] = {
     "max_prompt_chars": ("100000", 100000),
     "allow_slot_actions": (True, True),
     "queue_limit": ("8", 8),
+    "save_wait": ("0.5", 0.5),
     "restore_min_tokens": ("100", 100),
     "prefill_tps_prior": ("123.5", 123.5),
     "restore_gbps_prior": ("2.5", 2.5),

@@ -251,6 +251,38 @@ async def test_full_queue_drops_the_oldest_pending_write() -> None:
     await s.aclose()
 
 
+async def test_written_waits_for_the_writes_queued_before_it_only() -> None:
+    """``written()`` is what a save waits on before its pending-save marks go: every background
+    write queued before it is done (True), or one of them failed or was dropped (False)."""
+    slow = GatedTier()
+    s = TieredStore([MemoryTier(64 * MB), slow], BlobCodec("none"), queue_limit=3)
+    first, later = tokens(300, 2), tokens(301, 2)
+    await s.store(NS, chain_of(first), Payloads(first))
+    await asyncio.wait_for(slow.entered.wait(), 2)
+    waiting = asyncio.ensure_future(s.written(5))
+    await s.store(NS, chain_of(later), Payloads(later))  # queued after: not waited for
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
+    slow.gate.set()
+    assert await waiting
+    assert all(await slow.contains_many(keys_of(chain_of(first))))
+    # A queue so full that the writes before the barrier are dropped: False.
+    slow.gate.clear()
+    slow.entered.clear()
+    seqs = [tokens(310 + i, 2) for i in range(3)]
+    await s.store(NS, chain_of(seqs[0]), Payloads(seqs[0]))
+    await asyncio.wait_for(slow.entered.wait(), 2)
+    await s.store(NS, chain_of(seqs[1]), Payloads(seqs[1]))
+    waiting = asyncio.ensure_future(s.written(5))
+    for toks in [seqs[2], *(tokens(320 + i, 2) for i in range(3))]:
+        await s.store(NS, chain_of(toks), Payloads(toks))  # pushes job 1 and the barrier out
+    assert await waiting is False
+    slow.gate.set()
+    assert await s.flush(5)
+    assert await s.written(5)  # nothing failed since
+    await s.aclose()
+
+
 # -- damaged and foreign values -------------------------------------------------------------------
 
 

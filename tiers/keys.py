@@ -158,6 +158,12 @@ def whole_key(namespace: Namespace, seq_hash: bytes) -> bytes:
     return f"kvtier:{namespace.id}:w:{seq_hash.hex()}".encode()
 
 
+def pending_key(namespace: Namespace, prefix_hash: bytes) -> bytes:
+    """Key of a pending-save marker: a save in flight will store the prefix ``prefix_hash``
+    names (a chunk or partial-tail hash) and more: ``kvtier:{ns}:p:{hex}``."""
+    return f"kvtier:{namespace.id}:p:{prefix_hash.hex()}".encode()
+
+
 def session_key(namespace: Namespace, session_id: str) -> bytes:
     """Storage key of a session manifest: ``kvtier:{ns}:s:{session}``."""
     return f"kvtier:{namespace.id}:s:{session_id}".encode()

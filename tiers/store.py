@@ -364,6 +364,14 @@ class TieredStore:
         """Wait until the background queue is empty; False if ``timeout`` ran out first."""
         return await self._writer.flush(timeout)
 
+    async def written(self, timeout: float | None = None) -> bool:
+        """Wait until every background write queued so far is done (not those queued after);
+        True when all of them reached every background tier in time."""
+        try:
+            return await asyncio.wait_for(self._writer.barrier(), timeout)
+        except TimeoutError:
+            return False
+
     # -- stats and lifecycle --------------------------------------------------------------------
 
     def stats(self) -> dict[str, TierStats]:

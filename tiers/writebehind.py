@@ -27,6 +27,8 @@ class _Job:
     blob: Callable[[int], bytes]
     enqueued: float = field(default_factory=time.monotonic)
     announce: Announce | None = None  # told the keys a background tier holds now that it did not before
+    done: asyncio.Future[bool] | None = None  # a barrier: set once every job queued before it was written
+    failures_before: int = 0  # a barrier's: failed and dropped jobs when it was queued
 
 
 class WriteBehind:
@@ -68,10 +70,26 @@ class WriteBehind:
         """
         if not self.tiers:
             return
+        self._enqueue(_Job(keys, blob, announce=announce))
+
+    def barrier(self) -> asyncio.Future[bool]:
+        """A future set once every job queued so far has been written: True when each one
+        reached every background tier, False when one failed or was dropped (also when this
+        barrier itself was dropped from a full queue)."""
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        if not self.tiers:
+            done.set_result(True)
+            return done
+        self._enqueue(_Job([], lambda i: b"", done=done, failures_before=self.errors + self.dropped))
+        return done
+
+    def _enqueue(self, job: _Job) -> None:
         if len(self._queue) >= self._queue_limit:
-            self._queue.popleft()
+            dropped = self._queue.popleft()
             self.dropped += 1
-        self._queue.append(_Job(keys, blob, announce=announce))
+            if dropped.done is not None and not dropped.done.done():
+                dropped.done.set_result(False)
+        self._queue.append(job)
         self._ensure_worker()
         assert self._wakeup is not None and self._idle is not None
         self._idle.clear()
@@ -92,6 +110,10 @@ class WriteBehind:
                 await self._wakeup.wait()
                 continue
             job = self._queue.popleft()
+            if job.done is not None:
+                if not job.done.done():
+                    job.done.set_result(self.errors + self.dropped == job.failures_before)
+                continue
             for tier in self.tiers:
                 await self._write(tier, job)
 

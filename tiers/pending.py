@@ -1,0 +1,131 @@
+"""PendingSaves: short-lived markers in Redis for saves in flight, so that a next turn on another
+node can wait for a save instead of recomputing what it is about to store.
+
+A node that has just answered marks, before it saves, the prefixes its save will store (keys from
+``keys.pending_key``; which prefixes is ``integrations.kvflow``'s business). Each marker says how
+many tokens the save covers at least and which node saves. It lives ``ttl`` seconds and is renewed
+while the save runs, so the marker of a node that died is gone within ``ttl``; a save that ends,
+well or not, deletes its markers at once. A reader polls the marker it waits for and stops as soon
+as it is gone.
+
+Markers are hints: one that cannot be parsed is treated as absent, and a forged one can make a
+reader wait, never restore anything (what it then restores is looked up and checked as always).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+
+from .errors import KVTierError
+from .redis_conn import RedisConnection
+
+log = logging.getLogger("kvtier.store")
+
+MAGIC = b"KVPW"
+_HEAD = struct.Struct("<4sI")  # magic, tokens the save covers at least; then the node id (UTF-8)
+MAX_NODE_BYTES = 128
+
+
+@dataclass(frozen=True, slots=True)
+class PendingMark:
+    """One marker: a save in flight on ``node`` that stores at least ``covers`` tokens."""
+
+    covers: int
+    node: str
+
+    def encode(self) -> bytes:
+        return _HEAD.pack(MAGIC, self.covers) + self.node.encode()[:MAX_NODE_BYTES]
+
+    @classmethod
+    def parse(cls, raw: object) -> PendingMark | None:
+        """The marker a stored value holds; None for anything else."""
+        if not isinstance(raw, bytes) or not _HEAD.size <= len(raw) <= _HEAD.size + MAX_NODE_BYTES:
+            return None
+        magic, covers = _HEAD.unpack_from(raw)
+        if magic != MAGIC:
+            return None
+        return cls(covers, raw[_HEAD.size:].decode(errors="replace"))
+
+
+class PendingSaves:
+    """Markers of saves in flight, in the Redis every node shares.
+
+    Args:
+        connection: the shared connection (its breaker guards every call; a call that fails
+            raises ``TierUnavailable``: callers go on without markers).
+        ttl: seconds a marker lives unless renewed.
+    """
+
+    def __init__(self, connection: RedisConnection, *, ttl: float = 2.0):
+        if ttl <= 0:
+            raise ValueError("ttl must be positive")
+        self.connection = connection
+        self.ttl_ms = int(ttl * 1000)
+
+    async def mark(self, keys: Sequence[bytes], mark: PendingMark) -> None:
+        """Set ``mark`` under each key for ``ttl``."""
+        value = mark.encode()
+        await self.connection.pipeline("pending mark", lambda pipe: [pipe.set(k, value, px=self.ttl_ms)
+                                                                    for k in keys])
+
+    async def renew(self, keys: Sequence[bytes]) -> None:
+        """Give the markers that still exist another ``ttl`` (never brings a deleted one back)."""
+        await self.connection.pipeline("pending renew", lambda pipe: [pipe.pexpire(k, self.ttl_ms) for k in keys])
+
+    @contextlib.asynccontextmanager
+    async def held(self, keys: Sequence[bytes], mark: PendingMark) -> AsyncIterator[None]:
+        """Markers for the duration of a save: set on entry, renewed every third of ``ttl``,
+        deleted on exit however it ends. Never raises for Redis: without markers, other nodes
+        only do not wait."""
+        try:
+            await self.mark(keys, mark)
+        except KVTierError as exc:
+            log.debug("pending-save markers not set: %s", exc)
+            yield
+            return
+        renewing = asyncio.get_running_loop().create_task(self._renew_forever(keys))
+        try:
+            yield
+        finally:
+            renewing.cancel()
+            try:
+                await self.clear(keys)
+            except KVTierError as exc:
+                log.debug("pending-save markers not cleared (they expire): %s", exc)
+
+    async def _renew_forever(self, keys: Sequence[bytes]) -> None:
+        while True:
+            await asyncio.sleep(self.ttl_ms / 3000)
+            try:
+                await self.renew(keys)
+            except KVTierError as exc:
+                log.debug("pending-save markers not renewed: %s", exc)
+
+    async def clear(self, keys: Sequence[bytes]) -> None:
+        if keys:
+            await self.connection.pipeline("pending clear", lambda pipe: [pipe.delete(k) for k in keys])
+
+    async def read(self, keys: Sequence[bytes]) -> list[PendingMark | None]:
+        """The marker under each key (None: none, or not a marker)."""
+        if not keys:
+            return []
+        values = await self.connection.pipeline("pending read", lambda pipe: [pipe.get(k) for k in keys])
+        return [PendingMark.parse(v) for v in values]
+
+    async def wait_gone(self, key: bytes, timeout: float, *, poll: float = 0.02) -> bool:
+        """Poll ``key`` until it is gone (True) or ``timeout`` passes (False)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            values = await self.connection.pipeline("pending poll", lambda pipe: pipe.exists(key))
+            if not values or not values[0]:
+                return True
+            left = deadline - loop.time()
+            if left <= 0:
+                return False
+            await asyncio.sleep(min(poll, left))
