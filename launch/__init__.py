@@ -4,7 +4,14 @@ What ``kvtier demo``, the tests and the benchmarks start, written once. ``kvtier
 imports this package; the demo imports it when it runs, which is the only reason it is in the wheel.
 """
 
-from launch.binaries import LLAMA_CPP_PYTHON_PIN, free_port, llama_server_binary, smollm2_path, valkey_binary
+from launch.binaries import (
+    LLAMA_CPP_PYTHON_PIN,
+    free_port,
+    gemma3_path,
+    llama_server_binary,
+    smollm2_path,
+    valkey_binary,
+)
 from launch.processes import (
     LlamaServer,
     Node,
@@ -22,6 +29,7 @@ __all__ = [
     "Proc",
     "ValkeyServer",
     "free_port",
+    "gemma3_path",
     "llama_server_binary",
     "smollm2_path",
     "valkey",

