@@ -41,8 +41,11 @@ class RestorePlanner:
         if restorable_tokens(int(tokens.size), target.n_ctx_slot) // C * C <= cached:
             return None  # the slot holds every full chunk a restore could bring
         found = await find_prefix(self.store, namespace, tokens, n_ctx=target.n_ctx_slot)
-        if self.pending is not None and self.save_wait > 0:
-            found = await self._wait_for_save(namespace, tokens, found, cached, target, slot)
+        ended = await self.wait_for_save(namespace, tokens, found, max(found.n_tokens, cached), target, slot)
+        if ended is not None:
+            before, found = found.n_tokens, await find_prefix(self.store, namespace, tokens, n_ctx=target.n_ctx_slot)
+            if ended:
+                self.waited_for(before, found.n_tokens)
         gain = found.n_tokens - cached
         if gain <= 0:
             return None
@@ -50,23 +53,28 @@ class RestorePlanner:
             return None
         return found
 
-    async def _wait_for_save(self, namespace: Namespace, tokens: np.ndarray, found: PrefixFound, cached: int,
-                             target: Target, slot: int) -> PrefixFound:
-        """When another node is saving more of ``tokens`` than the tiers hold (the turn before
-        this one, say), wait for that save while waiting beats computing the difference, at most
-        ``save_wait``; then look up again. A save that ends, or whose node died, ends the wait."""
-        assert self.pending is not None
+    async def wait_for_save(self, namespace: Namespace, tokens: np.ndarray, found: PrefixFound, have: int,
+                            target: Target, slot: int) -> bool | None:
+        """When another node is saving more of ``tokens`` than ``have`` (what the tiers or a
+        session hold, or the slot), wait for that save while waiting beats computing the
+        difference, at most ``save_wait``. None when there was nothing to wait for; True when the
+        save ended, False when the wait timed out (look up again either way: part of it may be
+        stored). A save whose node died ends the wait when its marks expire.
+
+        ``found`` is what a lookup of ``tokens`` found: only the marks past it are read.
+        """
+        if self.pending is None or self.save_wait <= 0:
+            return None
         try:
             save = await find_pending(self.pending, namespace, tokens, found, n_ctx=target.n_ctx_slot)
         except KVTierError as exc:
             log.debug("pending saves not read: %s", exc)
-            return found
-        have = max(found.n_tokens, cached)
+            return None
         if save is None or save.n_tokens <= have:
-            return found
+            return None
         bound = min(self.save_wait, self._worth_waiting(save, have, target))
         if bound <= 0:
-            return found
+            return None
         t0 = time.perf_counter()
         try:
             gone = await self.pending.wait_gone(save.key, bound)
@@ -74,14 +82,16 @@ class RestorePlanner:
             log.debug("pending save not followed: %s", exc)
             gone = False
         waited = time.perf_counter() - t0
-        found_now = await find_prefix(self.store, namespace, tokens, n_ctx=target.n_ctx_slot)
-        outcome = "timeout" if not gone else "landed" if found_now.n_tokens > found.n_tokens else "failed"
-        self.metrics.save_waits.labels(outcome).inc()
         self.metrics.save_wait_seconds.observe(waited)
-        log.info("slot %d: waited %.0f ms for %s's save of %d tokens (%s): the tiers hold %d, held %d",
-                 slot, waited * 1e3, save.mark.node or "another node", save.n_tokens, outcome,
-                 found_now.n_tokens, found.n_tokens)
-        return found_now
+        if not gone:
+            self.metrics.save_waits.labels("timeout").inc()
+        log.info("slot %d: waited %.0f ms for %s's save of %d tokens (%s)", slot, waited * 1e3,
+                 save.mark.node or "another node", save.n_tokens, "it ended" if gone else "timeout")
+        return gone
+
+    def waited_for(self, before: int, after: int) -> None:
+        """Count what a wait that ended brought: more than ``before`` tokens (landed) or not (failed)."""
+        self.metrics.save_waits.labels("landed" if after > before else "failed").inc()
 
     def _worth_waiting(self, save: PendingSave, have: int, target: Target) -> float:
         """Seconds a wait for ``save`` may last and still beat recomputing what it would add."""

@@ -82,6 +82,25 @@ async def test_the_next_turn_on_another_node_waits_for_the_save(node_a: Node,
     assert b.metric("kvtier_save_wait_seconds_sum") < 5
 
 
+async def test_a_session_turn_at_once_on_another_node_waits_for_the_save(
+        node_a: Node, node_b: tuple[LlamaServer, Sidecar]) -> None:
+    _, b = node_b
+    await b.engine.drain(30)
+    landed = b.metric("kvtier_save_waits_total", outcome="landed")
+    session = {"X-Session-Id": "agent-7"}
+    body = {**chat([], "Which box is in room 9?"),
+            "messages": [{"role": "system", "content": "Inventory. " + DOC.replace("keys", "coins")},
+                         {"role": "user", "content": "Which box is in room 9?"}]}
+    for turn, url in enumerate([node_a.sidecar_url, b.url, node_a.sidecar_url]):
+        ans = await post(url + "/v1/chat/completions", body, headers=session)
+        assert ans.status == 200
+        if turn:  # each turn at once on the other node: only the new turn is computed
+            assert ans.prompt_n < CHUNK, (turn, ans.prompt_n, ans.headers)
+        body["messages"] += [{"role": "assistant", "content": ans.content},  # type: ignore[operator]
+                             {"role": "user", "content": f"And room {10 + turn}?"}]
+    assert b.metric("kvtier_save_waits_total", outcome="landed") == landed + 1
+
+
 async def test_a_save_whose_node_dies_releases_its_waiters(node_a: Node, node_b: tuple[LlamaServer, Sidecar],
                                                            redis_srv: RedisProc) -> None:
     _, b = node_b
