@@ -23,9 +23,12 @@ how they read and write a sequence state; what they do with one is the same, and
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import struct
-from collections.abc import Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -143,6 +146,82 @@ async def find_pending(pending: PendingSaves, namespace: Namespace, tokens: np.n
         if mark is not None and (best is None or n > best.n_tokens):
             best = PendingSave(key, n, mark)
     return best
+
+
+@dataclass(frozen=True, slots=True)
+class Waited:
+    """A wait for a save in flight: the save, whether it ended (False: the wait timed out), how long."""
+
+    save: PendingSave
+    ended: bool
+    seconds: float
+
+
+async def wait_for_pending(pending: PendingSaves, namespace: Namespace, tokens: np.ndarray, found: PrefixFound,
+                           have: int, limit: Callable[[PendingSave], float], *, n_ctx: int = 0) -> Waited | None:
+    """Wait for the save in flight that gives the most of ``tokens`` when it names more than
+    ``have``, for at most ``limit(save)`` seconds; None when there is none (or Redis cannot say).
+    Look ``tokens`` up again after a wait, ended or not: part of the save may be stored."""
+    try:
+        save = await find_pending(pending, namespace, tokens, found, n_ctx=n_ctx)
+    except KVTierError as exc:
+        log.debug("pending saves not read: %s", exc)
+        return None
+    if save is None or save.n_tokens <= have:
+        return None
+    bound = limit(save)
+    if bound <= 0:
+        return None
+    t0 = time.perf_counter()
+    try:
+        ended = await pending.wait_gone(save.key, bound)
+    except KVTierError as exc:
+        log.debug("pending save not followed: %s", exc)
+        ended = False
+    return Waited(save, ended, time.perf_counter() - t0)
+
+
+@contextlib.asynccontextmanager
+async def pending_save(pending: PendingSaves | None, namespace: Namespace, tokens: np.ndarray,
+                       node: str) -> AsyncIterator[None]:
+    """Marks for a save of a state that starts with ``tokens`` (``pending_marks``), held for the
+    block: other nodes' next turns of it may wait for it. Nothing without ``pending``."""
+    if pending is None or not tokens.size:
+        yield
+        return
+    keys = [key for key, _ in pending_marks(namespace, tokens)]
+    async with pending.held(keys, PendingMark(int(tokens.size), node)):
+        yield
+
+
+_marked_saves: set[asyncio.Task[None]] = set()
+
+
+async def store_state_marked(store: TieredStore, pending: PendingSaves | None, namespace: Namespace,
+                             state: SeqState, *, node: str, previous: TailRecord | None = None,
+                             previous_tokens: np.ndarray | None = None,
+                             events: Publisher | None = None) -> StoredState:
+    """``store_state`` with its save marked pending for other nodes until Redis holds it: returns
+    once the local tiers hold the state; the marks go when the background writes are done."""
+    if pending is None:
+        return await store_state(store, namespace, state, events=events, previous=previous,
+                                 previous_tokens=previous_tokens)
+    result: asyncio.Future[StoredState] = asyncio.get_running_loop().create_future()
+
+    async def marked() -> None:
+        async with pending_save(pending, namespace, state.tokens.tokens, node):
+            try:
+                result.set_result(await store_state(store, namespace, state, events=events, previous=previous,
+                                                    previous_tokens=previous_tokens))
+            except Exception as exc:
+                result.set_exception(exc)
+                return
+            await store.written(timeout=60)
+
+    task = asyncio.get_running_loop().create_task(marked())
+    _marked_saves.add(task)
+    task.add_done_callback(_marked_saves.discard)
+    return await asyncio.shield(result)
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,6 +47,7 @@ from tiers.errors import ConfigError, KVTierError
 from tiers.events import EventBus
 from tiers.keys import Namespace, as_token_array, common_prefix
 from tiers.memory import MemoryTier
+from tiers.pending import PendingSaves
 from tiers.redis_backend import RedisBackend
 from tiers.sessions import Manifest, SessionStore
 from tiers.stack import build_store
@@ -162,6 +163,7 @@ class SyncStore:
         self._thread.start()
         self.backend: RedisBackend | None = None
         self._sessions: SessionStore | None = None
+        self._pending: PendingSaves | None = None
         try:
             # Tiers are built on the loop: asyncio clients belong to the loop that runs them.
             self.store, self.backend = self.call(
@@ -185,6 +187,15 @@ class SyncStore:
     def events(self) -> EventBus | None:
         """The Redis event bus (publish, subscribe); None without Redis."""
         return self.backend.events if self.backend is not None else None
+
+    @property
+    def pending(self) -> PendingSaves | None:
+        """Marks of saves in flight, shared with every node through Redis; None without Redis."""
+        if self.backend is None:
+            return None
+        if self._pending is None:
+            self._pending = PendingSaves(self.backend.connection)
+        return self._pending
 
     @property
     def redis(self) -> EventBus | None:
@@ -288,6 +299,8 @@ class KVTierCache(BaseLlamaCache):
             GGUF file (``integrations.fingerprint.model_identity``), as the sidecar computes it.
         store: an existing ``SyncStore`` to share between caches (not closed by this cache).
         timeout: seconds one lookup or save may wait on the store before it counts as a miss.
+        save_wait: the longest a lookup waits for another node's save in flight that holds more
+            of the prompt than the tiers do (the sidecar's ``--save-wait``; 0: never wait).
 
     Raises:
         ConfigError: the model's memory cannot be cut into prefix chunks (sliding-window, recurrent
@@ -311,6 +324,7 @@ class KVTierCache(BaseLlamaCache):
         model_id: str | None = None,
         store: SyncStore | None = None,
         timeout: float = DEFAULT_TIMEOUT,
+        save_wait: float = 2.0,
     ):
         super().__init__(capacity_bytes)
         self.llm = llm
@@ -326,6 +340,7 @@ class KVTierCache(BaseLlamaCache):
             shared_dir=shared_dir, shared_bytes=shared_capacity, compression=compression, mac_key=mac_key,
         )
         self.counters = CacheCounters()
+        self.save_wait = save_wait
         self.node_id = getattr(self.store.events, "node_id", None) or f"{socket.gethostname()}:{os.getpid()}"
         self._warned: set[str] = set()
         self._tail: kvflow.TailRecord | None = None  # the partial tail this context stored or restored last
@@ -470,10 +485,13 @@ class KVTierCache(BaseLlamaCache):
         when longer than ``have``."""
         if kvflow.restorable_tokens(int(tokens.size), self.info.n_ctx) <= have:
             return None
-        store, ns, n_ctx = self.store.store, self.namespace, self.info.n_ctx
+        store, ns, n_ctx, pending = self.store.store, self.namespace, self.info.n_ctx, self.store.pending
 
         async def lookup_and_fetch() -> kvflow.PrefixFetched | None:
             found = await kvflow.find_prefix(store, ns, tokens, n_ctx=n_ctx)
+            if pending is not None and self.save_wait > 0 and await kvflow.wait_for_pending(
+                    pending, ns, tokens, found, max(found.n_tokens, have), lambda _: self.save_wait, n_ctx=n_ctx):
+                found = await kvflow.find_prefix(store, ns, tokens, n_ctx=n_ctx)  # after a save in flight
             if found.n_tokens <= have:
                 return None
             return await kvflow.fetch_prefix(store, ns, found, promote=True)
@@ -505,8 +523,9 @@ class KVTierCache(BaseLlamaCache):
                 log.warning("state not stored: %s", state.split_reason)
             return None
         previous, self._held = self._held, tokens.copy()
-        stored = self.store.call(kvflow.store_state(self.store.store, ns, state, events=self.store.events,
-                                                    previous=self._tail, previous_tokens=previous), self.timeout)
+        stored = self.store.call(kvflow.store_state_marked(
+            self.store.store, self.store.pending, ns, state, node=self.node_id, events=self.store.events,
+            previous=self._tail, previous_tokens=previous), self.timeout)
         if stored.tail_error is not None:
             self._failed("tail store", stored.tail_error)
         if stored.tail_error is None or stored.tail_stored:

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import logging
-import time
 
 import numpy as np
 
-from integrations.kvflow import PendingSave, PrefixFound, find_pending, find_prefix, restorable_tokens
+from integrations.kvflow import PendingSave, PrefixFound, find_prefix, restorable_tokens, wait_for_pending
 from integrations.llama_server import Timings, prefix_reused
 from tiers.base import TierRole
-from tiers.errors import KVTierError
 from tiers.keys import Namespace, common_prefix
 from tiers.pending import PendingSaves
 from tiers.sessions import Manifest
@@ -65,29 +63,18 @@ class RestorePlanner:
         """
         if self.pending is None or self.save_wait <= 0:
             return None
-        try:
-            save = await find_pending(self.pending, namespace, tokens, found, n_ctx=target.n_ctx_slot)
-        except KVTierError as exc:
-            log.debug("pending saves not read: %s", exc)
+        waited = await wait_for_pending(self.pending, namespace, tokens, found, have,
+                                        lambda save: min(self.save_wait, self._worth_waiting(save, have, target)),
+                                        n_ctx=target.n_ctx_slot)
+        if waited is None:
             return None
-        if save is None or save.n_tokens <= have:
-            return None
-        bound = min(self.save_wait, self._worth_waiting(save, have, target))
-        if bound <= 0:
-            return None
-        t0 = time.perf_counter()
-        try:
-            gone = await self.pending.wait_gone(save.key, bound)
-        except KVTierError as exc:
-            log.debug("pending save not followed: %s", exc)
-            gone = False
-        waited = time.perf_counter() - t0
-        self.metrics.save_wait_seconds.observe(waited)
-        if not gone:
+        self.metrics.save_wait_seconds.observe(waited.seconds)
+        if not waited.ended:
             self.metrics.save_waits.labels("timeout").inc()
-        log.info("slot %d: waited %.0f ms for %s's save of %d tokens (%s)", slot, waited * 1e3,
-                 save.mark.node or "another node", save.n_tokens, "it ended" if gone else "timeout")
-        return gone
+        log.info("slot %d: waited %.0f ms for %s's save of %d tokens (%s)", slot, waited.seconds * 1e3,
+                 waited.save.mark.node or "another node", waited.save.n_tokens,
+                 "it ended" if waited.ended else "timeout")
+        return waited.ended
 
     def waited_for(self, before: int, after: int) -> None:
         """Count what a wait that ended brought: more than ``before`` tokens (landed) or not (failed)."""

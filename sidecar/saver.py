@@ -5,14 +5,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
 
 import numpy as np
 
-from integrations.kvflow import Publisher, pending_marks, save_session, store_state
+from integrations.kvflow import Publisher, pending_save, save_session, store_state
 from integrations.statefile import SeqState
 from tiers.keys import Namespace
-from tiers.pending import PendingMark, PendingSaves
+from tiers.pending import PendingSaves
 from tiers.sessions import Manifest, SessionStore
 from tiers.store import TieredStore
 
@@ -37,16 +36,10 @@ class Saver:
         self.pending = pending
         self._warned_unsplittable = False
 
-    @contextlib.asynccontextmanager
-    async def in_flight(self, namespace: Namespace, tokens: np.ndarray) -> AsyncIterator[None]:
+    def in_flight(self, namespace: Namespace, tokens: np.ndarray) -> contextlib.AbstractAsyncContextManager[None]:
         """Tell other nodes, for the duration of the block, that a save of a state starting with
         ``tokens`` (the prompt just answered) is coming: their next turn of it may wait for it."""
-        if self.pending is None or not tokens.size:
-            yield
-            return
-        keys = [key for key, _ in pending_marks(namespace, tokens)]
-        async with self.pending.held(keys, PendingMark(int(tokens.size), self.node_id)):
-            yield
+        return pending_save(self.pending, namespace, tokens, self.node_id)
 
     async def readable(self, answered: float) -> None:
         """Wait until Redis holds what was stored so far; observe the time since ``answered``

@@ -13,18 +13,21 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import llama_cpp
+import numpy as np
 import pytest
 import redis
 
 from integrations.chunks import assemble_state, split_state
 from integrations.fingerprint import layout_fingerprint, model_identity
-from integrations.kvflow import REF_STEP
+from integrations.kvflow import REF_STEP, pending_save
 from integrations.llama_cpp_cache import KVTierCache, SyncStore, restore_session, save_session
 from integrations.llama_cpp_state import image_from_llama_state, load_seq_image, read_seq_image
 from integrations.llama_server import LlamaServerClient
@@ -193,6 +196,7 @@ def test_explicit_restore_sets_the_bookkeeping(llm: llama_cpp.Llama, reference: 
 PROCESS_ONE = r"""
 import json, sys
 import llama_cpp
+import numpy as np
 from integrations.llama_cpp_cache import KVTierCache
 from tests.servers import smollm2_path
 
@@ -225,6 +229,45 @@ def test_second_process_restores_what_the_first_computed(llm: llama_cpp.Llama, f
         assert restored >= 3 * CHUNK and evaluated == len(second) - restored
         assert (text, ids) == reference(second)
         assert cache.stats()["tiers"]["redis"]["hits"] >= restored // CHUNK
+
+
+def test_a_restore_waits_for_a_save_in_flight_on_another_node(llm: llama_cpp.Llama, flushed: RedisProc) -> None:
+    """Node A has computed a prompt and marked its save (the marks of ``kvflow.pending_save``) but
+    its chunks are not in Redis yet; node B's restore of that prompt waits for the save, and only
+    with ``save_wait`` 0 does it give up at once."""
+    prompt = tokens_of(llm, FACTS, "Which box holds the most marbles?")
+    other = llama_cpp.Llama(smollm2_path(), n_ctx=2048, n_threads=2, n_batch=512, seed=7, verbose=False)
+    try:
+        other.eval(prompt)  # node A's context: it just computed the prompt
+        with cached(other, flushed.url) as a:
+            saving, release = threading.Event(), threading.Event()
+
+            async def in_flight() -> None:
+                async with pending_save(a.store.pending, a.namespace, np.asarray(prompt, np.int32), "a"):
+                    saving.set()
+                    while not release.is_set():
+                        await asyncio.sleep(0.01)
+
+            for save_wait, expect in ((0.0, 0), (10.0, (len(prompt) - 1) // CHUNK * CHUNK)):
+                marks = threading.Thread(target=a.store.call, args=(in_flight(),))
+                marks.start()
+                assert saving.wait(10)
+                with cached(llm, flushed.url, save_wait=save_wait) as b:
+                    restored: list[int] = []
+                    restoring = threading.Thread(target=lambda: restored.append(b.restore(prompt)))  # noqa: B023
+                    restoring.start()
+                    time.sleep(0.3)
+                    assert a.save() is not None and a.flush(10)  # A's save, in Redis now
+                    release.set()
+                    restoring.join(20)
+                    assert restored == [expect], (save_wait, restored)
+                marks.join(5)
+                saving.clear()
+                release.clear()
+                with redis.Redis(port=flushed.port) as r:
+                    r.flushall()
+    finally:
+        other.close()
 
 
 # -- in-process <-> llama-server ------------------------------------------------------------------
