@@ -5,15 +5,22 @@ self-described by a small versioned header (little-endian)::
 
     0   4s  magic b"KVSC"
     4   H   payload version (1)
-    6   H   flags: bit 0 = V transposed (saved without flash attention)
+    6   H   flags: bit 0 = V transposed (saved without flash attention), bit 1 = a rest follows
     8   I   n_cells
     12  I   first_pos
     16  I   n_layer
-    20  I   reserved (0)
+    20  I   rest bytes (0 without a rest)
     24  n_layer x 32 bytes: i32 k_type, i32 v_type, u64 k_row_size, u64 v_row_size (V bytes per cell),
         u32 v_el_size, u32 n_embd_v_gqa (0, 0 for rows of a quantized V type)
     then per layer the K rows (n_cells x k_row_size), then per layer the V of those cells:
         rows (n_cells x v_row_size) or transposed (n_embd_v_gqa x n_cells x v_el_size)
+
+Sliding-window and hybrid states (``SeqState.has_rest``) hold, after a KV cache with every cell,
+state that only describes the sequence's recent past: the window's cells, a recurrent state (the
+*rest*). Their chunks cut the first cache alone; their tail, which always holds at least one cell,
+ends with the rest's bytes as llama.cpp wrote them (a cut window padded, ``swa.padded_for_restore``),
+and a restore file built from it ends with them too. Such a tail is the whole state's end: only a
+prompt that continues all of the state can use it, and no chunk alone is ever restored for it.
 
 Split and assemble copy whole blocks with numpy slice assignment into preallocated buffers: the
 Python work is per (layer, chunk), never per cell. Assembly converts the V layout when a chunk and
@@ -52,10 +59,12 @@ from .statefile import (
     parse_state,
     write_state,
 )
+from .swa import padded_for_restore
 
 CHUNK_MAGIC = b"KVSC"
 CHUNK_VERSION = 1
 FLAG_V_TRANS = 1
+FLAG_REST = 2
 _HEAD = struct.Struct("<4sHHIIII")  # 24 bytes
 _LAYER = struct.Struct("<iiQQII")  # 32 bytes
 _K_HEAD = struct.Struct("<iQ")
@@ -90,6 +99,7 @@ class ChunkInfo:
     layers: tuple[ChunkLayer, ...]
     data_offset: int
     nbytes: int
+    rest_nbytes: int = 0  # the rest's bytes at the payload's end (a tail of a state with a rest)
 
     @property
     def layout(self) -> StateLayout:
@@ -145,13 +155,15 @@ def read_chunk_header(payload: BytesLike) -> ChunkInfo:
     size = mv.nbytes
     if size < _HEAD.size:
         raise StateFormatError(f"chunk payload too short ({size} bytes)")
-    magic, version, flags, n_cells, first_pos, n_layer, _ = _HEAD.unpack_from(mv, 0)
+    magic, version, flags, n_cells, first_pos, n_layer, rest = _HEAD.unpack_from(mv, 0)
     if magic != CHUNK_MAGIC:
         raise StateFormatError("not a kvtier chunk payload (bad magic)")
     if version != CHUNK_VERSION:
         raise StateFormatError(f"unsupported chunk payload version {version}")
-    if flags & ~FLAG_V_TRANS:
+    if flags & ~(FLAG_V_TRANS | FLAG_REST):
         raise StateFormatError(f"unknown chunk flags {flags:#x}")
+    if bool(flags & FLAG_REST) != bool(rest):
+        raise StateFormatError("chunk rest flag and rest size disagree")
     if n_layer == 0 or n_layer > (size - _HEAD.size) // _LAYER.size:
         raise StateFormatError(f"chunk layer count {n_layer} does not fit the payload")
     v_trans = bool(flags & FLAG_V_TRANS)
@@ -166,11 +178,11 @@ def read_chunk_header(payload: BytesLike) -> ChunkInfo:
         per_cell += la.k_row_size + la.v_row_size
         layers.append(la)
     data_offset = _HEAD.size + n_layer * _LAYER.size
-    if data_offset + n_cells * per_cell != size:
+    if data_offset + n_cells * per_cell + rest != size:
         raise StateFormatError(
-            f"chunk payload is {size} bytes, its header describes {data_offset + n_cells * per_cell}"
+            f"chunk payload is {size} bytes, its header describes {data_offset + n_cells * per_cell + rest}"
         )
-    return ChunkInfo(n_cells, first_pos, v_trans, tuple(layers), data_offset, size)
+    return ChunkInfo(n_cells, first_pos, v_trans, tuple(layers), data_offset, size, rest)
 
 
 # -- split ----------------------------------------------------------------------------------------
@@ -194,12 +206,17 @@ def split_state(
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
     if not isinstance(state, SeqState):
         state = parse_state(state)
-    reason = state.split_reason
+    reason = state.store_reason
     if reason is not None:
         raise StateFormatError(f"state is not splittable: {reason}")
+    rest: BytesLike = b""
+    if state.has_rest:
+        if state.memory_kind == "kv_pair":
+            state = padded_for_restore(state)
+        rest, state = state.rest, state.first_cache
     stream = state.cell_streams()[0]
     n = stream.n_cells
-    n_chunks = n // chunk_tokens
+    n_chunks = chunk_count(n, chunk_tokens, rest=bool(rest))
     spans = [(i * chunk_tokens, (i + 1) * chunk_tokens) for i in range(max(first_chunk, 0), n_chunks)]
     if tail and n_chunks * chunk_tokens < n:
         spans.append((n_chunks * chunk_tokens, n))
@@ -211,18 +228,37 @@ def split_state(
     # One buffer for every payload: one allocation faults its pages in far faster than one per chunk
     # (4-5 GB/s against 2.5 GB/s for a 94 MB state here). The payloads are views into it.
     sizes = [_HEAD.size + len(heads) + (b - a) * per_cell for a, b in spans]
+    with_tail = tail and n_chunks * chunk_tokens < n
+    if with_tail:
+        sizes[-1] += len(rest)
     arena, arena_mv = alloc_buffer(sum(sizes))
     payloads, at = [], 0
     for (a, b), size in zip(spans, sizes):
         payloads.append(_cut(stream, a, b, heads, arena[at : at + size], arena_mv[at : at + size]))
         at += size
-    tail_payload = payloads.pop() if tail and n_chunks * chunk_tokens < n else None
+    tail_payload = payloads.pop() if with_tail else None
+    if tail_payload is not None and rest:
+        _add_rest(tail_payload, rest)
     layout = state.layout
     assert layout is not None
     return SplitResult(
         state.tokens.tokens, chunk_tokens, n_chunks, max(first_chunk, 0), payloads, tail_payload, layout,
         stream.v_trans,
     )
+
+
+def chunk_count(n_cells: int, chunk_tokens: int, *, rest: bool = False) -> int:
+    """Full chunks a state of ``n_cells`` cells is cut into: with a rest, one cell at least is
+    left to the tail, which carries the rest."""
+    return (n_cells - 1) // chunk_tokens if rest else n_cells // chunk_tokens
+
+
+def _add_rest(payload: memoryview, rest: BytesLike) -> None:
+    """Put ``rest`` at the end of a tail payload sized for it, and say so in its header."""
+    data = as_uint8(rest)
+    payload[payload.nbytes - data.size:] = data.data
+    magic, version, flags, n, first, n_layer, _ = _HEAD.unpack_from(payload, 0)
+    _HEAD.pack_into(payload, 0, magic, version, flags | FLAG_REST, n, first, n_layer, data.size)
 
 
 def _cut(stream: KVStream, a: int, b: int, heads: bytes, arr: np.ndarray, out: memoryview) -> memoryview:
@@ -258,6 +294,8 @@ def first_cells(payload: bytes | memoryview, n: int) -> bytes | memoryview:
         StateFormatError: ``payload`` is not a valid chunk payload.
     """
     info = read_chunk_header(payload)
+    if info.rest_nbytes:
+        raise StateFormatError("a tail with a rest cannot be cut: its rest belongs to its last cell")
     if n >= info.n_cells:
         return payload
     if n <= 0:
@@ -345,6 +383,8 @@ def state_pieces(
     if n_stream < 1:
         raise ValueError(f"n_stream must be >= 1, got {n_stream}")
     infos = [read_chunk_header(p) for p in payloads]
+    if any(i.rest_nbytes for i in infos[:-1]):
+        raise StateFormatError("only the last payload of a restore may carry a rest")
     n_cells = sum(i.n_cells for i in infos)
     toks = as_token_array(tokens)
     if toks.size < n_cells:
@@ -394,6 +434,8 @@ def state_pieces(
                 at[j] += nb
     if n_stream > 1:
         pieces.append(memoryview(bytes(4 * (n_stream - 1))))  # the other streams: cell_count = 0
+    if infos[-1].rest_nbytes:  # the window or recurrent state, as llama.cpp wrote it after the cache
+        pieces.append(views[-1][infos[-1].nbytes - infos[-1].rest_nbytes:])
     return pieces
 
 
@@ -441,7 +483,7 @@ def _restore_size(infos: list[ChunkInfo], n_stream: int) -> int:
     per_cell = sum(la.k_row_size + la.v_row_size for la in infos[0].layers)
     # header + tokens, n_stream + stream counts, cells, v_trans + n_layer, K/V headers, rows
     return (HEADER_BYTES + 4 * n_cells + 4 + 4 * n_stream + CELL_DTYPE.itemsize * n_cells + 8
-            + 24 * len(infos[0].layers) + n_cells * per_cell)
+            + 24 * len(infos[0].layers) + n_cells * per_cell + infos[-1].rest_nbytes)
 
 
 def restore_size(payloads: Sequence[BytesLike], *, n_stream: int = 1) -> int:

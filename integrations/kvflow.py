@@ -51,7 +51,7 @@ from tiers.pending import PendingMark, PendingSaves
 from tiers.sessions import Manifest, SessionError, SessionStore
 from tiers.store import Announce, FetchResult, LookupResult, StoreResult, TailHit, TieredStore
 
-from .chunks import first_cells, read_chunk_header, split_state
+from .chunks import chunk_count, first_cells, read_chunk_header, split_state
 from .statefile import SeqState
 
 log = logging.getLogger("kvtier.flow")
@@ -84,9 +84,12 @@ class PrefixFound:
 
     chunks: LookupResult
     tail: TailHit | None
+    whole: bool = False  # states with a rest: usable only with the tail, which carries it
 
     @property
     def n_tokens(self) -> int:
+        if self.whole and self.tail is None:
+            return 0
         return self.chunks.matched_tokens + (self.tail.n_tokens if self.tail else 0)
 
     def bytes_by_tier(self, chunk_tokens: int, bytes_per_token: int) -> dict[str, int]:
@@ -236,19 +239,28 @@ class PrefixFetched:
 
 
 async def find_prefix(store: TieredStore, namespace: Namespace, tokens: np.ndarray, *,
-                      n_ctx: int = 0) -> PrefixFound:
-    """The longest prefix of ``tokens`` the tiers hold, within ``restorable_tokens``."""
+                      n_ctx: int = 0, whole: bool = False) -> PrefixFound:
+    """The longest prefix of ``tokens`` the tiers hold, within ``restorable_tokens``.
+
+    ``whole``: the namespace's states have a rest (sliding-window, hybrid memory), so only a
+    stored state's end, its tail, makes a prefix usable: when none follows the last chunk found
+    (another conversation stored more chunks of the same start), the tails after the chunks before
+    it are looked up, from the longest prefix down.
+    """
     C = namespace.chunk_tokens
     limit = restorable_tokens(int(tokens.size), n_ctx)
     chain = prefix_chain(namespace, tokens, limit // C)
     found = await store.lookup_chain(namespace, chain) if chain else LookupResult(0, [], [])
-    tail = None
-    room = min(C - 1, limit - found.matched_tokens)
-    if room > 0:
-        start = found.matched_tokens
-        parent = found.chunks[-1] if found.n_chunks else namespace.digest
-        tail = await store.lookup_tail(namespace, parent, tokens[start: start + room])
-    return PrefixFound(found, tail)
+    for n in range(found.n_chunks, -1 if whole else found.n_chunks - 1, -1):
+        start = n * C
+        room = min(C, limit - start)  # a tail with a rest may hold a whole chunk's cells
+        if room <= 0:
+            continue
+        tail = await store.lookup_tail(namespace, found.chunks[n - 1] if n else namespace.digest,
+                                       tokens[start: start + room])
+        if tail is not None:
+            return PrefixFound(LookupResult(start, found.chunks[:n], found.tiers[:n]), tail, whole)
+    return PrefixFound(found, None, whole)
 
 
 async def fetch_prefix(store: TieredStore, namespace: Namespace, found: PrefixFound, *,
@@ -264,6 +276,8 @@ async def fetch_prefix(store: TieredStore, namespace: Namespace, found: PrefixFo
     """
     C = namespace.chunk_tokens
     tail = found.tail
+    if found.n_tokens == 0:
+        return PrefixFetched([], 0, frozenset(), FetchResult([], [], 0, 0, 0.0), None)
     fetched, tail_value = await store.fetch_with_tail(
         namespace, found.chunks.chunks, (tail.key, tail.hash) if tail is not None else None, promote=False)
     fetched = await store.matching(fetched, content_mismatch, C)
@@ -273,27 +287,36 @@ async def fetch_prefix(store: TieredStore, namespace: Namespace, found: PrefixFo
     n_tokens = fetched.n_tokens
     tiers = set(fetched.tiers)
     if tail is None or tail_value is None or fetched.n_chunks < found.chunks.n_chunks:
+        if found.whole:  # chunks without the rest their tail carries restore nothing
+            return PrefixFetched([], 0, frozenset(), fetched.first(0, C), None)
         return PrefixFetched(payloads, n_tokens, frozenset(tiers), fetched, None)
     tail_payload: bytes | memoryview | None = tail_value.payload
     restored_tail: TailHit | None = tail
-    if bytes(tail_value.payload[:4]) == REF_MAGIC:
+    if bytes(tail_value.payload[:4]) == REF_MAGIC and found.whole:
+        tail_payload = None  # never stored for states with a rest: a reference lacks the rest
+    elif bytes(tail_value.payload[:4]) == REF_MAGIC:
         tail_payload = await _resolve_ref(store, namespace, tail_value.payload, tail.n_tokens, n_tokens)
         restored_tail = None  # the value a reference names is no tail of the context it is restored into
     else:
-        reason = content_mismatch(tail_value.payload, n_tokens, tail.n_tokens)
+        reason = content_mismatch(tail_value.payload, n_tokens, tail.n_tokens, rest=found.whole)
         if reason is not None:
             await store.reject(tail.key, tail_value.tier, reason)
             tail_payload = None
     if tail_payload is None:
+        if found.whole:
+            return PrefixFetched([], 0, frozenset(), fetched.first(0, C), None)
         return PrefixFetched(payloads, n_tokens, frozenset(tiers), fetched, None)
     payloads.append(tail_payload)
     tiers.add(tail_value.tier)
     return PrefixFetched(payloads, n_tokens + tail.n_tokens, frozenset(tiers), fetched, restored_tail)
 
 
-def content_mismatch(payload: bytes | memoryview, first_pos: int, n_cells: int) -> str | None:
+def content_mismatch(payload: bytes | memoryview, first_pos: int, n_cells: int,
+                     rest: bool | None = None) -> str | None:
     """None when ``payload`` is a chunk payload of the ``n_cells`` cells from ``first_pos`` (what
-    the key it was read under names), else what is wrong with it (a ``tiers.store.ContentCheck``)."""
+    the key it was read under names), with a rest exactly when ``rest`` is True (the tail of a
+    state with one; None: either), else what is wrong with it (a ``tiers.store.ContentCheck``).
+    A rest anywhere but at a restore's end is refused when the restore file is built."""
     try:
         info = read_chunk_header(payload)
     except (KVTierError, ValueError) as exc:
@@ -301,6 +324,8 @@ def content_mismatch(payload: bytes | memoryview, first_pos: int, n_cells: int) 
     if info.first_pos != first_pos or info.n_cells != n_cells:
         return (f"it holds cells {info.first_pos}..{info.first_pos + info.n_cells - 1}, "
                 f"its key names {first_pos}..{first_pos + n_cells - 1}")
+    if rest is not None and bool(info.rest_nbytes) != rest:
+        return "it carries a rest (a window, a recurrent state)" if info.rest_nbytes else "it lacks the rest"
     return None
 
 
@@ -419,7 +444,7 @@ async def store_state(store: TieredStore, namespace: Namespace, state: SeqState,
     """
     C = namespace.chunk_tokens
     tokens = state.tokens.tokens
-    chain = prefix_chain(namespace, tokens)
+    chain = prefix_chain(namespace, tokens, chunk_count(int(tokens.size), C, rest=state.has_rest))
     announce = announcer(events, namespace)
     lazy = LazyChunks(state, C)
     chunks = await store.store(namespace, chain, lazy, announce=announce) if chain else None
@@ -427,14 +452,16 @@ async def store_state(store: TieredStore, namespace: Namespace, state: SeqState,
     new = None
     try:
         parents = [namespace.digest, *chain]
-        refs = [ref for i in lazy.cut for ref in prefix_refs(
+        # A state with a rest is restored whole or not at all: no reference into its cells.
+        refs = [] if state.has_rest else [ref for i in lazy.cut for ref in prefix_refs(
             parents[i], tokens[i * C: (i + 1) * C], chunk_key(namespace, chain[i]), chain[i])]
-        if chain and tokens.size > start:
+        if (chain or state.has_rest) and tokens.size > start:
             tail = split_state(state, C, first_chunk=len(chain), tail=True).tail
             assert tail is not None
             key = await store.store_tail(namespace, parents[-1], tokens[start:], tail, announce=announce)
             new = TailRecord(key, int(tokens.size))
-            refs += prefix_refs(parents[-1], tokens[start:], key, tail_hash_after(parents[-1], tokens[start:]))
+            if not state.has_rest:
+                refs += prefix_refs(parents[-1], tokens[start:], key, tail_hash_after(parents[-1], tokens[start:]))
         await store.store_tails(namespace, refs)
         deleted = False
         if (previous is not None and previous_tokens is not None and (new is None or previous.key != new.key)
@@ -454,13 +481,13 @@ async def save_session(sessions: SessionStore, namespace: Namespace, session_id:
         ValueError: a bad session id. SessionError / KVTierError: the state cannot be split, or the
             store failed.
     """
-    if not state.splittable:
-        raise SessionError(f"this state cannot be split into chunks ({state.split_reason})")
+    if state.store_reason is not None:
+        raise SessionError(f"this state cannot be split into chunks ({state.store_reason})")
     tokens = state.tokens.tokens
     split = split_state(state, namespace.chunk_tokens, tail=True)
     manifest = await sessions.save(
         namespace, session_id, tokens, lambda i: split.chunks[i], split.tail,
-        node=node, kv_bytes=int(tokens.size) * split.layout.bytes_per_token,
+        node=node, kv_bytes=int(tokens.size) * split.layout.bytes_per_token, n_chunks=split.n_chunks,
     )
     if events is not None:
         try:

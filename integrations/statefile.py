@@ -40,6 +40,7 @@ cause a large allocation, and all K/V/R/S data are numpy views into the caller's
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -286,6 +287,32 @@ class SeqState:
     def splittable(self) -> bool:
         return self.split_reason is None
 
+    @property
+    def has_rest(self) -> bool:
+        """Sliding-window or hybrid memory: a KV cache with every cell, then state that holds only
+        the sequence's recent past (a window's cells, a recurrent state), the *rest*."""
+        return self.memory_kind in ("kv_pair", "hybrid") and bool(self.caches)
+
+    @property
+    def first_cache(self) -> SeqState:
+        """This state with its first KV cache alone (what prefix chunks of it hold)."""
+        return dataclasses.replace(self, memory_kind="kv", caches=self.caches[:1], recurrent=None)
+
+    @property
+    def store_reason(self) -> str | None:
+        """Why kvtier cannot store this state as prefix chunks, or None when it can: a plain KV
+        cache is cut whole (``split_reason``); with a rest (``has_rest``) the first cache is cut
+        and its tail carries the rest, so only a prompt that continues the whole state restores it."""
+        if not self.has_rest:
+            return self.split_reason
+        reason = self.first_cache.split_reason
+        return f"first KV cache: {reason}" if reason is not None else None
+
+    @property
+    def rest(self) -> memoryview:
+        """The memory state's bytes after its first KV cache (empty without a rest)."""
+        return self.memory[cache_nbytes(self.caches[0]):] if self.has_rest else self.memory[:0]
+
 
 def _recurrent_reason(rec: RecurrentState, n_caches: int) -> str:
     where = f"as of position {int(rec.pos.max())}" if rec.n_cells else "empty"
@@ -509,6 +536,16 @@ def _parse_cells(
 # -- write ----------------------------------------------------------------------------------------
 
 
+def cache_nbytes(cache: KVCache) -> int:
+    """Bytes of one KV cache's state (``llama_kv_cache::state_write``)."""
+    size = 4 + 4 * cache.n_stream
+    for s in cache.streams:
+        if s.n_cells:
+            size += s.n_cells * (8 + (12 if s.ext is not None else 0)) + 4 * int(s.seq_ids.size) + 8
+            size += sum(24 + la.k.nbytes + la.v.nbytes for la in s.layers)
+    return size
+
+
 def state_size(state: SeqState) -> int:
     """Bytes ``write_state`` will produce."""
     size = HEADER_BYTES + 4 * int(state.tokens.words.size)
@@ -517,11 +554,7 @@ def state_size(state: SeqState) -> int:
     if state.recurrent is not None:
         size += state.recurrent.nbytes
     for cache in state.caches:
-        size += 4 + 4 * cache.n_stream
-        for s in cache.streams:
-            if s.n_cells:
-                size += s.n_cells * (8 + (12 if s.ext is not None else 0)) + 4 * int(s.seq_ids.size) + 8
-                size += sum(24 + la.k.nbytes + la.v.nbytes for la in s.layers)
+        size += cache_nbytes(cache)
     return size
 
 

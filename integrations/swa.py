@@ -41,7 +41,7 @@ import numpy as np
 
 from tiers.errors import StateFormatError
 
-from .statefile import KVCache, KVLayer, KVStream, SeqState, write_state
+from .statefile import KVCache, KVLayer, KVStream, SeqState, parse_state, write_state
 
 PAD_CELLS = 2  # masked cells added below the window (see the module doc)
 
@@ -122,6 +122,23 @@ def pad_swa_window(state: SeqState, n_swa: int, cells: int = PAD_CELLS) -> memor
     )
     window = KVCache(tuple(padded if x is s else x for x in state.caches[1].streams))
     return write_state(dataclasses.replace(state, caches=(state.caches[0], window)))
+
+
+def padded_for_restore(state: SeqState) -> SeqState:
+    """``state`` as kvtier stores a sliding-window state: its window ``PAD_CELLS`` masked cells
+    longer when it is cut (``pad_swa_window``), else as it is.
+
+    The window's size is read from the state: a cut window holds exactly ``n_swa`` cells, and one
+    is cut exactly when its first position is above 0. Whatever the kind of window, the cells
+    below a cut one are masked for every later query, so zero cells there change no result.
+
+    Raises:
+        StateFormatError: as ``swa_window``.
+    """
+    s = swa_window(state)
+    if int(s.pos.min()) == 0:
+        return state
+    return parse_state(pad_swa_window(state, s.n_cells))
 
 
 def _null_ext(ext: np.ndarray, n: int) -> np.ndarray:

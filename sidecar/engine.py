@@ -329,8 +329,10 @@ class KVEngine:
         # writing the slot file, kvtier splitting it) would compete for the CPU with its delivery.
         await asyncio.sleep(SAVE_DELAY_S)
         expected = max(plan.restored_tokens, plan.lease.cached_tokens)
-        if answer is not None and not self.planner.learn(Timings.from_answer(answer), int(plan.tokens.size),
-                                                         expected, lease.slot, follow_up=plan.follow_up):
+        target = self.watcher.target
+        if answer is not None and not self.planner.learn(
+                Timings.from_answer(answer), int(plan.tokens.size), expected, lease.slot, follow_up=plan.follow_up,
+                restored=plan.restored_tokens, layout=target.memory_kind if target is not None else "kv"):
             self.watcher.doubt()  # a restart it has not noticed yet? Check before the next request
         if plan.fetched is not None:
             fetched, plan.fetched = plan.fetched, None

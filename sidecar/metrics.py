@@ -61,6 +61,8 @@ class Metrics:
         self.restores = Counter("kvtier_restores", "Restores by source tier and outcome", ["tier", "outcome"], registry=r)
         self.decisions = Counter("kvtier_cost_decisions", "Cost-model decisions", ["decision"], registry=r)
         self.cache_errors = Counter("kvtier_cache_errors", "Cache failures that fell back to recompute", ["stage"], registry=r)
+        self.restores_wasted = Counter("kvtier_restores_wasted", "Restores llama-server threw away (it recomputed "
+                                       "what was restored), by memory layout", ["layout"], registry=r)
         self.reuse_failures = Counter("kvtier_restore_not_reused", "Restores after which prompt_n showed a re-prefill", registry=r)
         self.restore_seconds = Histogram("kvtier_restore_seconds", "Fetch + assemble + restore", buckets=LATENCY_BUCKETS, registry=r)
         self.restore_phase_seconds = Histogram(

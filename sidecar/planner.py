@@ -20,6 +20,8 @@ from .watcher import Target
 
 log = logging.getLogger("kvtier.engine")
 
+WASTED_LIMIT = 3  # restores in a row llama-server throws away before restores stop for that layout
+
 
 class RestorePlanner:
     """Looks up the longest stored prefix of a prompt and asks the cost model whether to restore it."""
@@ -31,17 +33,22 @@ class RestorePlanner:
         self.metrics = metrics
         self.pending = pending  # markers of other nodes' saves in flight (Redis), or None
         self.save_wait = save_wait  # the longest wait for one (settings.save_wait)
+        self._wasted: dict[str, int] = {}  # restores in a row llama-server threw away, by memory layout
+        self.off: set[str] = set()  # layouts restores are off for, until kvtier restarts
 
     async def plan(self, namespace: Namespace, tokens: np.ndarray, cached: int, target: Target,
                    slot: int) -> PrefixFound | None:
         """The prefix worth restoring into a slot that holds ``cached`` tokens of ``tokens``, or None."""
         C = namespace.chunk_tokens
+        if target.memory_kind in self.off:
+            return None
         if restorable_tokens(int(tokens.size), target.n_ctx_slot) // C * C <= cached:
             return None  # the slot holds every full chunk a restore could bring
-        found = await find_prefix(self.store, namespace, tokens, n_ctx=target.n_ctx_slot)
+        found = await find_prefix(self.store, namespace, tokens, n_ctx=target.n_ctx_slot, whole=target.whole)
         ended = await self.wait_for_save(namespace, tokens, found, max(found.n_tokens, cached), target, slot)
         if ended is not None:
-            before, found = found.n_tokens, await find_prefix(self.store, namespace, tokens, n_ctx=target.n_ctx_slot)
+            before, found = found.n_tokens, await find_prefix(self.store, namespace, tokens, n_ctx=target.n_ctx_slot,
+                                                              whole=target.whole)
             if ended:
                 self.waited_for(before, found.n_tokens)
         gain = found.n_tokens - cached
@@ -94,28 +101,48 @@ class RestorePlanner:
         longer than what the slot holds, shorter than the prompt, and faster to restore (from
         ``tier``) than to compute."""
         m_tokens = manifest.tokens
+        if target.memory_kind in self.off:
+            return False
         if not (cached < m_tokens.size < tokens.size and common_prefix(m_tokens, tokens) == m_tokens.size):
             return False
         gain = int(m_tokens.size) - cached
         return self._decide(gain, {tier: gain * target.bytes_per_token}, slot)
 
     def learn(self, timings: Timings | None, prompt_tokens: int, expected: int, slot: int, *,
-              follow_up: bool = False) -> bool:
+              follow_up: bool = False, restored: int = 0, layout: str = "kv") -> bool:
         """Learn from an answer's timings (the prefill rate); False when llama-server reused less
         than the ``expected`` tokens (the slot held less than kvtier thought, or it threw a restore
-        away), which is counted and logged."""
+        away), which is counted and logged.
+
+        A restore of ``restored`` tokens llama-server threw away is also counted by memory
+        ``layout`` (``kvtier_restores_wasted_total``); after ``WASTED_LIMIT`` in a row, restores
+        for that layout stop until kvtier restarts: each one costs its fetch and gives nothing.
+        """
         if timings is None:
             return True
         self.metrics.tokens_recomputed.inc(timings.prompt_n)
         if follow_up:  # sent untokenized: what its slot held of it is known only now
             self.metrics.tokens_slot_reused.inc(timings.cache_n)
         self.cost.observe_prefill(timings.prompt_n, timings.prompt_ms)
+        if restored and prefix_reused(timings, prompt_tokens, restored):
+            self._wasted[layout] = 0
+        elif restored:
+            self._waste(layout, restored, timings)
         if not expected or prefix_reused(timings, prompt_tokens, expected):
             return True
         self.metrics.reuse_failures.inc()
         log.warning("slot %d: expected %d tokens reused but the server recomputed %d of %d",
                     slot, expected, timings.prompt_n, prompt_tokens)
         return False
+
+    def _waste(self, layout: str, restored: int, timings: Timings) -> None:
+        self.metrics.restores_wasted.labels(layout).inc()
+        self._wasted[layout] = n = self._wasted.get(layout, 0) + 1
+        if n >= WASTED_LIMIT and layout not in self.off:
+            self.off.add(layout)
+            log.warning("llama-server threw away %d restores in a row of memory layout %r (the last: %d tokens "
+                        "restored, %d recomputed): restoring is off for it until kvtier restarts",
+                        n, layout, restored, timings.prompt_n)
 
     def _decide(self, gain: int, bytes_by_tier: dict[str, int], slot: int) -> bool:
         decision = self.cost.decide(gain, bytes_by_tier)

@@ -57,7 +57,7 @@ class Saver:
         record = table.slots[slot]
         previous = record.tokens
         table.set_tokens(slot, tokens.copy(), owner=owner)
-        if state.splittable:
+        if state.store_reason is None:
             stored = await store_state(self.store, namespace, state, events=self.events, previous=record.tail,
                                        previous_tokens=previous)
             if stored.chunks is not None:
@@ -75,7 +75,7 @@ class Saver:
             # Prefix restore needs chunks; such states are kept only by explicit session saves.
             self._warned_unsplittable = True
             log.warning("slot states cannot be split into prefix chunks (%s): automatic restore is off",
-                        state.split_reason)
+                        state.store_reason)
         self.metrics.save_seconds.observe(time.perf_counter() - t0)
         return state
 

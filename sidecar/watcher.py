@@ -27,7 +27,7 @@ import numpy as np
 
 from integrations.fingerprint import layout_fingerprint, model_identity
 from integrations.llama_server import LlamaServerClient, LlamaServerError
-from integrations.statefile import SeqState
+from integrations.statefile import SeqState, StateLayout
 from tiers.errors import KVTierError
 from tiers.keys import Namespace
 
@@ -62,6 +62,13 @@ class Target:
     namespace: Namespace
     bytes_per_token: int
     n_ctx_slot: int
+    # "kv": one KV cache; "kv_pair" (sliding window), "hybrid" (recurrent): a KV cache then a rest,
+    # restored only whole (integrations.chunks)
+    memory_kind: str = "kv"
+
+    @property
+    def whole(self) -> bool:
+        return self.memory_kind != "kv"
 
     def namespace_for(self, salt: str) -> Namespace:
         """The namespace of a tenant (its salt), or the server's own for none."""
@@ -136,30 +143,34 @@ class ServerWatcher:
         for slot in range(n_slots):
             state = await self.files.save(slot, "probe")
             n_stream = state.n_stream or n_stream
-            if state.layout is not None:
+            if _kv_layout(state) is not None:
                 layout_state = layout_state or state
-                if state.splittable:
+                if state.store_reason is None:
                     table.set_tokens(slot, state.tokens.tokens.copy())
         if layout_state is None:
             await self.client.completion({"prompt": "kvtier", "n_predict": 1, "id_slot": 0, "cache_prompt": True,
                                           "temperature": 0})
             layout_state = await self.files.save(0, "probe")
             await self.client.erase_slot(0)
-        layout = layout_state.layout
+        layout = _kv_layout(layout_state)
         if layout is None or layout_state.v_trans is None:
             raise LlamaServerError("could not learn the KV layout from a saved slot")
+        memory = layout_state.memory_kind if layout_state.has_rest else "kv"
         _restarted_since(table, await self.client.slots())  # records each slot's last task id
-        ns = Namespace(layout_fingerprint(model_id, layout), chunk_tokens=self.settings.chunk_tokens)
+        # A state with a rest is another format than a plain cache of the same layers: its own namespace.
+        identity = model_id if memory == "kv" else f"{model_id}|memory={memory}"
+        ns = Namespace(layout_fingerprint(identity, layout), chunk_tokens=self.settings.chunk_tokens)
         n_ctx = int(props.get("default_generation_settings", {}).get("n_ctx") or 0)
         await self.prompts.setup(props, self.settings.model or model_path)
         # No await from here on: a request that finds the target set must find the new slot table.
         self.target = Target(n_slots, n_stream or 1, bool(layout_state.v_trans), model_id, ns,
-                             layout.bytes_per_token, n_ctx)
+                             layout.bytes_per_token, n_ctx, memory)
         self._signature = _signature(props)
         self.slots = table
         self.epoch += 1
-        log.info("llama-server: %d slots, n_stream %d, v_trans %s, %d bytes/token, namespace %s",
-                 n_slots, self.target.n_stream, self.target.v_trans, layout.bytes_per_token, ns.id)
+        log.info("llama-server: %d slots, n_stream %d, v_trans %s, %d bytes/token, memory %s, namespace %s",
+                 n_slots, self.target.n_stream, self.target.v_trans, layout.bytes_per_token,
+                 _MEMORY_NAMES.get(memory, memory), ns.id)
 
     def _model_id(self, model_path: str, props: Mapping[str, Any]) -> str:
         if self.settings.model_id:
@@ -214,16 +225,22 @@ class ServerWatcher:
         directly): read what it holds now, so that kvtier neither skips a restore it needs nor
         restores a shorter prefix over a longer one.
         """
-        table = self.slots
-        if self.target is None or table is None:
+        # The health loop and a request may both check: what this check judges is the server it
+        # started with, and once another check has relearned or forgotten it, this one stops.
+        table, target = self.slots, self.target
+        if target is None or table is None:
             return
         props = await self.client.props()
+        if self.target is not target:
+            return
         if (_signature(props) != self._signature
-                or self._model_id(str(props.get("model_path") or ""), props) != self.target.model_id):
+                or self._model_id(str(props.get("model_path") or ""), props) != target.model_id):
             log.warning("llama-server changed (model, build or slots): relearning it")
             self.forget()
             return
         infos = await self.client.slots()
+        if self.target is not target:
+            return
         if _restarted_since(table, infos):
             # Even a slot kvtier is saving now holds another process's KV (or none): relearn all.
             log.warning("llama-server restarted (a slot's task id went back): relearning it")
@@ -272,6 +289,15 @@ class ServerWatcher:
             # may hold that tenant's KV): any other tenant's request erases it before use.
             table.set_tokens(slot_id, state.tokens.tokens.copy())
             return True
+
+
+_MEMORY_NAMES = {"kv": "one KV cache", "kv_pair": "KV cache + sliding window (restored whole)",
+                 "hybrid": "KV cache + recurrent state (restored whole)"}
+
+
+def _kv_layout(state: SeqState) -> StateLayout | None:
+    """The layout of the KV cache prefix chunks hold: the first cache's, for a state with a rest."""
+    return state.first_cache.layout if state.has_rest else state.layout
 
 
 def _restarted_since(table: SlotTable, infos: list[dict[str, Any]]) -> bool:

@@ -14,12 +14,13 @@ import pytest
 
 from integrations import kvflow
 from integrations.chunks import assemble_state
+from integrations.llama_server import Timings
 from integrations.statefile import parse_state
 from sidecar.config import Settings
 from sidecar.costmodel import CostModel
 from sidecar.engine import KVEngine
 from sidecar.metrics import Metrics
-from sidecar.planner import RestorePlanner
+from sidecar.planner import WASTED_LIMIT, RestorePlanner
 from sidecar.prompts import Prompt
 from sidecar.slots import SlotTable
 from sidecar.watcher import Target
@@ -152,6 +153,35 @@ async def test_planner_restores_only_what_pays() -> None:
     # Never more than the slot's context.
     small = await slow_prefill.plan(NS, tokens, 0, target(n_ctx=140), slot=0)
     assert small is not None and small.n_tokens == 128  # 11 more tokens would fit: less than a step
+
+
+def test_restores_thrown_away_stop_restores_of_that_layout() -> None:
+    metrics = Metrics()
+    planner = RestorePlanner(memory_store(), CostModel(prefill_tps=50), metrics)
+    thrown = Timings(prompt_n=1_000, prompt_ms=900.0, predicted_n=1, predicted_ms=10.0, cache_n=0)
+    kept = Timings(prompt_n=30, prompt_ms=30.0, predicted_n=1, predicted_ms=10.0, cache_n=970)
+    for _ in range(2):
+        assert not planner.learn(thrown, 1_000, 970, 0, restored=970, layout="kv_pair")
+    assert planner.learn(kept, 1_000, 970, 0, restored=970, layout="kv_pair")  # one kept: the count starts over
+    for _ in range(WASTED_LIMIT - 1):
+        planner.learn(thrown, 1_000, 970, 0, restored=970, layout="kv_pair")
+    assert "kv_pair" not in planner.off
+    planner.learn(thrown, 1_000, 970, 0, restored=970, layout="kv_pair")
+    assert planner.off == {"kv_pair"}
+    assert metrics.registry.get_sample_value("kvtier_restores_wasted_total", {"layout": "kv_pair"}) == 2 + WASTED_LIMIT
+    planner.learn(thrown, 1_000, 0, 0)  # no restore: nothing wasted
+    assert metrics.registry.get_sample_value("kvtier_restores_wasted_total", {"layout": "kv_pair"}) == 2 + WASTED_LIMIT
+
+
+async def test_no_restore_for_a_layout_that_is_off() -> None:
+    store = memory_store()
+    lg = logical(300, seed=6)
+    await kvflow.store_state(store, NS, state_of(lg))
+    tokens = np.asarray(lg.tokens + [1, 2], np.int32)
+    planner = RestorePlanner(store, CostModel(prefill_tps=50), Metrics())
+    assert await planner.plan(NS, tokens, 0, target(), slot=0) is not None
+    planner.off.add("kv")
+    assert await planner.plan(NS, tokens, 0, target(), slot=0) is None
 
 
 class _HangingPlanner:

@@ -22,6 +22,7 @@ import pytest
 import integrations.chunks as chunks_mod
 from integrations.chunks import (
     assemble_state,
+    first_cells,
     read_chunk_header,
     restore_size,
     retarget_state,
@@ -203,7 +204,10 @@ def test_empty_slot_file_tells_the_stream_count() -> None:
 # -- not splittable -------------------------------------------------------------------------------
 
 
-def test_two_kv_caches_parse_as_a_pair_and_are_not_split() -> None:
+def test_two_kv_caches_are_cut_with_the_window_in_the_tail() -> None:
+    """Sliding-window memory: the first cache is cut into chunks; the tail keeps one cell or more
+    and carries the window, two masked zero cells longer (integrations.swa), so that a restore of
+    the whole state is kept by llama-server; a restore file ends with that window."""
     lg = logical(12)
     swa = logical(4, n_layer=2, seed=3)
     swa.pos = list(range(8, 12))
@@ -212,8 +216,23 @@ def test_two_kv_caches_parse_as_a_pair_and_are_not_split() -> None:
     assert st.memory_kind == "kv_pair" and len(st.caches) == 2
     assert st.layout is not None and st.layout.n_layer == 5
     assert bytes(write_state(st)) == raw
-    with pytest.raises(StateFormatError, match="not splittable.*two KV caches"):
-        split_state(st, 4)
+    assert st.split_reason is not None and st.store_reason is None and st.has_rest
+    split = split_state(st, 4, tail=True)
+    assert split.n_chunks == 2 and split.tail is not None  # 12 cells: 4 stay with the window
+    assert read_chunk_header(split.tail).n_cells == 4 and read_chunk_header(split.tail).rest_nbytes > 0
+    assert all(read_chunk_header(c).rest_nbytes == 0 for c in split.chunks)
+    with pytest.raises(StateFormatError, match="rest"):
+        first_cells(split.tail, 2)  # never a prefix reference into it
+    back = parse_state(assemble_state([*split.chunks, split.tail], st.tokens.tokens, v_trans=False))
+    assert back.memory_kind == "kv_pair" and back.n_tokens == 12
+    (base, window), (base0, window0) = back.cell_streams(), st.cell_streams()
+    assert base.n_cells == 12 and all(np.array_equal(a.k, b.k) and np.array_equal(a.v, b.v)
+                                      for a, b in zip(base.layers, base0.layers, strict=True))
+    assert list(window.pos) == [6, 7, 8, 9, 10, 11]  # padded below the window
+    for a, b in zip(window.layers, window0.layers, strict=True):
+        assert not a.k[:2].any() and np.array_equal(a.k[2:], b.k)
+    with pytest.raises(StateFormatError, match="only the last payload"):
+        assemble_state([split.tail, *split.chunks], st.tokens.tokens, v_trans=False)
     # A whole state still moves between stream counts.
     moved = parse_state(retarget_state(st, 3))
     assert [c.n_stream for c in moved.caches] == [3, 3]

@@ -195,12 +195,14 @@ class SessionStore:
 
     async def save(self, namespace: Namespace, session_id: str, tokens: Sequence[int] | np.ndarray,
                    payloads: PayloadSource, tail_payload: bytes | bytearray | memoryview | None,
-                   *, node: str = "", kv_bytes: int = 0) -> Manifest:
+                   *, node: str = "", kv_bytes: int = 0, n_chunks: int | None = None) -> Manifest:
         """Store the session's chunks and tail, then its manifest (over a damaged one, too).
 
         Args:
             payloads: chunk ``i``'s payload for each full chunk of ``tokens``.
             tail_payload: the cells after the last full chunk (None when there are none).
+            n_chunks: fewer chunks than ``tokens`` holds, the rest in the tail (a state whose
+                tail carries its rest always keeps one cell or more for it).
             kv_bytes: the session's KV bytes, for the manifest (default: the bytes this save wrote).
 
         Raises:
@@ -210,7 +212,7 @@ class SessionStore:
         validate_session_id(session_id)
         toks = as_token_array(tokens)
         C = namespace.chunk_tokens
-        chain = prefix_chain(namespace, toks)
+        chain = prefix_chain(namespace, toks, n_chunks)
         n_tail = toks.size - len(chain) * C
         if (n_tail > 0) != (tail_payload is not None):
             raise ValueError(f"{n_tail} tail tokens but {'a' if tail_payload is not None else 'no'} tail payload")

@@ -1,0 +1,166 @@
+"""Every memory type hops between nodes through kvtier: sliding-window and hybrid models.
+
+A conversation is answered on node A, then continued on node B and back on A, each node's
+llama-server restarted just before its turn (a rolling update; the sidecars keep running). Each
+hop must compute only the new turn's tokens, restoring the rest from the tiers, and answer with the
+greedy tokens llama-server gives when it moves the conversation itself, by its own slot save and
+restore (same flags, threads and batch sizes, the same restored/computed boundary).
+
+- Gemma 3 270M (real weights, sliding window 512) on default flags and with ``--swa-full``: the
+  state's first KV cache goes into prefix chunks, its window (two masked cells longer) with the
+  tail, restored only whole.
+- A generated lfm2 (hybrid: attention + short convolutions): the attention cache in chunks, the
+  recurrent state with the tail.
+
+Real llama-servers, a real Valkey, in-process sidecars.
+"""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from integrations.statefile import parse_state
+from integrations.swa import gguf_sliding_window, pad_swa_window
+from sidecar.config import Settings
+from tests.ggufgen import ModelShape, write_random_model
+from tests.servers import LlamaServer, RedisProc, gemma3_path, llama_server, smollm2_path
+from tests.sidecars import Sidecar, post, run_sidecar
+
+pytestmark = pytest.mark.llama
+
+CHUNK = 64
+TOPICS = ("rivers", "mountains", "bridges", "libraries", "orchards", "harbors", "railways", "deserts")
+QUESTIONS = ("Which note mentions bridges first? Answer briefly.", "And which mentions deserts first?",
+             "And the last note about harbors?")
+
+
+def notes(n: int) -> str:
+    return " ".join(f"Note {i}: the {TOPICS[i % len(TOPICS)]} of region {i * 7 % 31} were surveyed in year "
+                    f"{1800 + i * 3}, and the report lists {i * 13 % 97} sites worth a visit." for i in range(n))
+
+
+@dataclass
+class Hop:
+    node: str
+    prompt_n: int
+    restored: int
+    content: str
+
+
+async def _node(stack: AsyncExitStack, tmp: Path, name: str, model: str, flags: tuple[str, ...],
+                redis_url: str) -> tuple[LlamaServer, Sidecar]:
+    llama = stack.enter_context(llama_server(tmp / name, *flags, model=model))
+    settings = Settings(llama_url=llama.url, slot_dir=str(llama.slot_dir), redis_url=redis_url, node_id=name,
+                        chunk_tokens=CHUNK, cache_size=256 << 20, prefill_tps_prior=50.0)
+    sc = await stack.enter_async_context(run_sidecar(settings))
+    assert await sc.engine.ensure_ready()
+    return llama, sc
+
+
+async def _chat_hops(tmp: Path, model: str, flags: tuple[str, ...], redis_url: str) -> tuple[list[Hop], list[str]]:
+    """The conversation over A, B, A through kvtier (each llama-server restarted before its
+    turn), and llama-server's own answers when it moves the conversation (``_own_restores``)."""
+    with redis.Redis.from_url(redis_url) as r:
+        r.flushall()  # chunks another test computed with other flags differ in their last bits
+    messages: list[dict[str, str]] = [{"role": "user", "content": notes(40) + "\n" + QUESTIONS[0]}]
+    body: dict[str, Any] = {"max_tokens": 12, "temperature": 0}
+    hops: list[Hop] = []
+    async with AsyncExitStack() as stack:
+        nodes = {name: await _node(stack, tmp, name, model, flags, redis_url) for name in ("a", "b")}
+        for turn, name in enumerate(("a", "b", "a")):
+            llama, sc = nodes[name]
+            if turn:
+                await nodes["a" if name == "b" else "b"][1].engine.drain(30)  # the last turn is saved
+                assert await nodes["a" if name == "b" else "b"][1].store.flush(30)
+                llama.restart()
+                messages.append({"role": "user", "content": QUESTIONS[turn]})
+            ans = await post(sc.url + "/v1/chat/completions", {**body, "messages": messages})
+            assert ans.status == 200, ans.text[:300]
+            hops.append(Hop(name, ans.prompt_n, ans.restored, ans.content))
+            messages.append({"role": "assistant", "content": ans.content})
+    reference = await _own_restores(tmp, model, flags, [
+        {**body, "messages": messages[:1 + 2 * turn]} for turn in range(3)], "/v1/chat/completions")
+    return hops, [str(r["choices"][0]["message"]["content"]) for r in reference]
+
+
+async def _own_restores(tmp: Path, model: str, flags: tuple[str, ...], bodies: list[dict[str, Any]],
+                        path: str) -> list[dict[str, Any]]:
+    """llama-server alone moving the same conversation: each turn on a fresh server that restored
+    the slot the last one saved (its own slot save and restore), the reference a hop through kvtier
+    is compared with: the same restored cells and the same computed turn. (A server that kept its
+    slot is no reference for a sliding window with --swa-full: it holds cells a saved window
+    leaves out, and its greedy tokens differ from its own restore's, measured on Gemma 3.) On
+    default flags a saved window is padded as kvtier pads it (without, llama-server recomputes
+    everything: another split)."""
+    answers: list[dict[str, Any]] = []
+    state: bytes | None = None
+    n_swa = gguf_sliding_window(model)
+    for turn, body in enumerate(bodies):
+        with llama_server(tmp / f"reference-{turn}", *flags, model=model) as ref:
+            if state is not None:
+                st = parse_state(state)
+                if st.memory_kind == "kv_pair" and "--swa-full" not in flags:
+                    state = bytes(pad_swa_window(st, n_swa))
+                (ref.slot_dir / "r.bin").write_bytes(state)
+                assert (await post(ref.url + "/slots/0?action=restore", {"filename": "r.bin"})).status == 200
+            ans = await post(ref.url + path, {**body, "id_slot": 0, "cache_prompt": True})
+            assert ans.status == 200 and (turn == 0 or ans.body["timings"]["cache_n"] > 0), ans.text[:300]
+            answers.append(ans.body)
+            assert (await post(ref.url + "/slots/0?action=save", {"filename": "s.bin"})).status == 200
+            state = (ref.slot_dir / "s.bin").read_bytes()
+    return answers
+
+
+@pytest.mark.parametrize("flags", [(), ("--swa-full",)], ids=["default", "swa-full"])
+async def test_a_sliding_window_chat_hops_nodes(redis_srv: RedisProc, tmp_path: Path, flags: tuple[str, ...]) -> None:
+    hops, reference = await _chat_hops(tmp_path, gemma3_path(), flags, redis_srv.url)
+    assert hops[0].prompt_n > 1000  # turn 1: the whole document, computed
+    for hop in hops[1:]:
+        assert hop.restored > 1000 and hop.prompt_n < CHUNK, hop  # only the new turn
+    assert [h.content for h in hops] == reference
+
+
+async def _token_hops(tmp: Path, model: str, redis_url: str) -> tuple[list[Hop], list[list[int]]]:
+    """The same with token-id prompts (a generated model's template is no chat's)."""
+    prompt = list(range(1000, 1300))
+    body: dict[str, Any] = {"n_predict": 8, "temperature": 0, "return_tokens": True}
+    hops: list[Hop] = []
+    answers: list[list[int]] = []
+    async with AsyncExitStack() as stack:
+        nodes = {name: await _node(stack, tmp, name, model, ("-c", "2048"), redis_url) for name in ("a", "b")}
+        for turn, name in enumerate(("a", "b", "a")):
+            llama, sc = nodes[name]
+            if turn:
+                other = nodes["a" if name == "b" else "b"][1]
+                await other.engine.drain(30)
+                assert await other.store.flush(30)
+                llama.restart()
+                prompt += list(range(2000 + 10 * turn, 2010 + 10 * turn))
+            ans = await post(sc.url + "/completion", {**body, "prompt": prompt})
+            assert ans.status == 200, ans.text[:300]
+            hops.append(Hop(name, ans.prompt_n, ans.restored, ans.content))
+            answers.append(ans.body["tokens"])
+            prompt += ans.body["tokens"]
+    seq, bodies = list(range(1000, 1300)), []
+    for turn in range(3):
+        if turn:
+            seq += list(range(2000 + 10 * turn, 2010 + 10 * turn))
+        bodies.append({**body, "prompt": list(seq)})
+        seq += answers[turn]  # the hop's answer, so both continue the same sequence
+    reference = [r["tokens"] for r in await _own_restores(tmp, model, ("-c", "2048"), bodies, "/completion")]
+    return hops, [answers, reference]
+
+
+async def test_a_hybrid_model_hops_nodes(redis_srv: RedisProc, tmp_path: Path) -> None:
+    model = str(write_random_model(tmp_path / "lfm2.gguf", smollm2_path(), ModelShape(attn_layers=(1, 3), conv_kernel=4),
+                                   arch="lfm2", seed=11))
+    hops, (answers, reference) = await _token_hops(tmp_path, model, redis_srv.url)
+    for hop in hops[1:]:
+        assert hop.restored > 250 and hop.prompt_n <= 12, hop  # only the new tokens (and the last answer token)
+    assert answers == reference
