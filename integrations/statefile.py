@@ -306,7 +306,15 @@ class SeqState:
         if not self.has_rest:
             return self.split_reason
         reason = self.first_cache.split_reason
-        return f"first KV cache: {reason}" if reason is not None else None
+        if reason is not None:
+            return f"first KV cache: {reason}"
+        if self.memory_kind == "kv_pair":
+            window = [int(s.pos.min()) for s in self.caches[1].streams if s.n_cells]
+            if not window or min(window) == 0:
+                # Nothing lies below the window to pad (integrations.swa): llama-server recomputes
+                # such a state after a restore on default flags; it is short, and cheap to compute.
+                return "the sliding window is not full yet"
+        return None
 
     @property
     def rest(self) -> memoryview:

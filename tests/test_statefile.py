@@ -236,6 +236,10 @@ def test_two_kv_caches_are_cut_with_the_window_in_the_tail() -> None:
     # A whole state still moves between stream counts.
     moved = parse_state(retarget_state(st, 3))
     assert [c.n_stream for c in moved.caches] == [3, 3]
+    # A window that still holds the whole sequence has nothing below it to pad: not stored.
+    short, whole_window = logical(4), logical(4, n_layer=2, seed=3)
+    st = parse_state(ref_file(short, memory=ref_cache(short, False) + ref_cache(whole_window, True)))
+    assert st.store_reason == "the sliding window is not full yet"
 
 
 @pytest.mark.parametrize("what", ["gap", "order", "two-seqs", "tokens", "media", "two-streams", "null-token"])
