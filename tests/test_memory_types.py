@@ -126,7 +126,8 @@ async def test_a_sliding_window_chat_hops_nodes(redis_srv: RedisProc, tmp_path: 
     assert [h.content for h in hops] == reference
 
 
-async def _token_hops(tmp: Path, model: str, redis_url: str) -> tuple[list[Hop], list[list[int]]]:
+async def _token_hops(tmp: Path, model: str, redis_url: str,
+                      headers: dict[str, str] | None = None) -> tuple[list[Hop], list[list[int]]]:
     """The same with token-id prompts (a generated model's template is no chat's)."""
     prompt = list(range(1000, 1300))
     body: dict[str, Any] = {"n_predict": 8, "temperature": 0, "return_tokens": True}
@@ -142,7 +143,7 @@ async def _token_hops(tmp: Path, model: str, redis_url: str) -> tuple[list[Hop],
                 assert await other.store.flush(30)
                 llama.restart()
                 prompt += list(range(2000 + 10 * turn, 2010 + 10 * turn))
-            ans = await post(sc.url + "/completion", {**body, "prompt": prompt})
+            ans = await post(sc.url + "/completion", {**body, "prompt": prompt}, headers=headers)
             assert ans.status == 200, ans.text[:300]
             hops.append(Hop(name, ans.prompt_n, ans.restored, ans.content))
             answers.append(ans.body["tokens"])
@@ -157,10 +158,15 @@ async def _token_hops(tmp: Path, model: str, redis_url: str) -> tuple[list[Hop],
     return hops, [answers, reference]
 
 
-async def test_a_hybrid_model_hops_nodes(redis_srv: RedisProc, tmp_path: Path) -> None:
+@pytest.mark.parametrize("session", [None, "agent-1"], ids=["prefix", "session"])
+async def test_a_hybrid_model_hops_nodes(redis_srv: RedisProc, tmp_path: Path, session: str | None) -> None:
+    """Automatic prefix restores, and with ``X-Session-Id`` the session saved after each turn."""
     model = str(write_random_model(tmp_path / "lfm2.gguf", smollm2_path(), ModelShape(attn_layers=(1, 3), conv_kernel=4),
                                    arch="lfm2", seed=11))
-    hops, (answers, reference) = await _token_hops(tmp_path, model, redis_srv.url)
+    with redis.Redis.from_url(redis_srv.url) as r:
+        r.flushall()
+    hops, (answers, reference) = await _token_hops(tmp_path, model, redis_srv.url,
+                                                   {"X-Session-Id": session} if session else None)
     for hop in hops[1:]:
         assert hop.restored > 250 and hop.prompt_n <= 12, hop  # only the new tokens (and the last answer token)
     assert answers == reference
