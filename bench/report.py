@@ -33,6 +33,8 @@ Scenarios (each side by side with its baseline, in the same run):
 6. agent_loop, server_restarts, save_readable: turns sent the moment the last answer ended, round
    robin over 3 nodes; llama-server alone restarted under running sidecars; the time from an
    answer's end to its save being readable in Redis (``bench/agents.py``).
+7. memory_types: a 2k-token conversation hopping nodes for SmolLM2, Gemma 3 (default flags and
+   ``--swa-full``) and a generated hybrid (lfm2), recompute against kvtier (``bench/memtypes.py``).
 
 Writes ``bench/results/report.json`` (git-ignored), ``docs/benchmarks.md`` and ``docs/img/*.png``.
 """
@@ -51,7 +53,7 @@ from typing import Any
 
 from rich.progress import Progress
 
-from . import agents, hop
+from . import agents, hop, memtypes
 from .common import (
     RESULTS_DIR,
     Timer,
@@ -80,7 +82,7 @@ from .common import (
 from .hop import RESTORE_PHASES
 
 SCENARIOS = ("memory", "turns", "move", "move_fa_off", "multiuser", "short", "agent_loop", "server_restarts",
-             "save_readable")
+             "save_readable", "memory_types")
 # llama-server's flash attention: its default (auto) turns it on for a CPU; off, V is stored transposed.
 FA_OFF = ("-fa", "off")
 CLAIMS = {
@@ -92,11 +94,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     "full": {"sessions": 10, "system_tokens": 2000, "own_tokens": 500, "turns": 30, "turn_system": 600,
              "turn_tokens": 40, "move_sizes": [1024, 4096, 8000], "reps": 5, "users": 4, "rounds": 4,
              "mu_system": 1000, "mu_context": 300, "short_lengths": [64, 128, 256], "agent_histories": [2000, 6000],
-             "agent_turns": 5, "restart_history": 2200, "restart_turns": 6, "readable_sizes": [2048, 8000]},
+             "agent_turns": 5, "restart_history": 2200, "restart_turns": 6, "readable_sizes": [2048, 8000],
+             "types_history": 2000},
     "quick": {"sessions": 10, "system_tokens": 600, "own_tokens": 150, "turns": 12, "turn_system": 300,
               "turn_tokens": 30, "move_sizes": [512, 2048], "reps": 3, "users": 3, "rounds": 3,
               "mu_system": 400, "mu_context": 120, "short_lengths": [64, 128], "agent_histories": [2000],
-              "agent_turns": 4, "restart_history": 1000, "restart_turns": 4, "readable_sizes": [2048]},
+              "agent_turns": 4, "restart_history": 1000, "restart_turns": 4, "readable_sizes": [2048],
+              "types_history": 1000},
 }
 
 
@@ -271,6 +275,8 @@ async def run_all(a: argparse.Namespace, preset: dict[str, Any], redis_url: str,
                 redis_url, preset["restart_history"], preset["restart_turns"], a.threads, a.max_tokens, prog),
             "save_readable": lambda: agents.scenario_save_readable(redis_url, preset["readable_sizes"], preset["reps"],
                                                                    a.threads, prog),
+            "memory_types": lambda: memtypes.scenario_memory_types(redis_url, preset["types_history"], a.threads,
+                                                                   a.max_tokens, prog),
         }
         for name in SCENARIOS:
             if name not in a.scenarios:
@@ -574,6 +580,8 @@ def render_markdown(report: dict[str, Any], other: dict[str, Any], images: dict[
     if sc.get("short"):
         parts.append(_md_short(sc["short"]))
     parts.append(agents.md_agents(sc, md_table))
+    if sc.get("memory_types"):
+        parts.append(memtypes.md_memory_types(sc["memory_types"], md_table))
     if errors:
         parts.append("\n## Scenarios that failed in this run\n\n" + "".join(f"- {k}: `{e}`\n" for k, e in errors.items()))
     parts.append(_md_others(other))
