@@ -219,6 +219,7 @@ class Node:
     sidecar_port: int = field(default_factory=free_port)
     sidecar: Proc | None = None
     extra_sidecar_args: list[str] = field(default_factory=list)
+    advertise: bool = False  # the sidecar publishes its URL in the fleet view (--advertise-url)
     llama: LlamaServer = field(init=False)
 
     def __post_init__(self) -> None:
@@ -246,6 +247,8 @@ class Node:
                    "--chunk-tokens", str(self.chunk_tokens), *self.extra_sidecar_args]
             if self.redis_url:
                 cmd += ["--redis-url", self.redis_url]
+            if self.advertise:
+                cmd += ["--advertise-url", self.sidecar_url]
             self.sidecar = Proc(f"kvtier {self.name}", cmd, self.root / f"{self.name}-kvtier.log")
             self.sidecar.start(http_ok(self.sidecar_url + "/readyz"), 60)
 

@@ -22,9 +22,10 @@ from tiers.redis_backend import RedisBackend
 from tiers.sessions import SessionStore
 from tiers.store import TieredStore
 
-from .appkeys import ENGINE, METRICS, REDIS, SETTINGS, STORE, UPSTREAM
+from .appkeys import ENGINE, FORWARDER, METRICS, REDIS, SETTINGS, STORE, UPSTREAM
 from .config import Settings
 from .engine import KVEngine
+from .forward import fleet_resources
 from .metrics import Metrics
 from .middlewares import front_middleware
 from .prewarm import prewarm_forever
@@ -117,6 +118,8 @@ def create_app(settings: Settings) -> web.Application:
     app[SETTINGS] = settings
     app[METRICS] = Metrics()
     app.cleanup_ctx.append(_resources)
+    app[FORWARDER] = None
+    app.cleanup_ctx.append(fleet_resources)  # after _resources: it needs the engine and Redis
     app.add_routes(route_defs())
     return app
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from aiohttp import web
 
 from tiers.redis_tier import RedisTier
@@ -12,6 +14,9 @@ from .engine import KVEngine
 from .metrics import Metrics
 from .upstream import Upstream
 
+if TYPE_CHECKING:  # forward.py reads the other keys: imported for the annotation only
+    from .forward import Forwarder
+
 SETTINGS = web.AppKey("settings", Settings)
 METRICS = web.AppKey("metrics", Metrics)
 UPSTREAM = web.AppKey("upstream", Upstream)  # relays requests to llama-server
@@ -19,3 +24,5 @@ STORE = web.AppKey("store", TieredStore)
 ENGINE = web.AppKey("engine", KVEngine)
 # The Redis chunk tier (ping, breaker state for readiness and metrics), None without Redis.
 REDIS: web.AppKey[RedisTier | None] = web.AppKey("redis")
+# Cache-aware forwarding and the fleet view; None without Redis, or with neither --advertise-url nor --forward.
+FORWARDER: web.AppKey[Forwarder | None] = web.AppKey("forwarder")

@@ -101,6 +101,10 @@ def stats_main(argv: Sequence[str]) -> int:
     tok = summary["tokens"]
     print(f"tokens restored {tok['restored']:.0f}, reused in slot {tok['slot_reused']:.0f}, "
           f"recomputed {tok['recomputed']:.0f} (restored share {tok['restored_share']:.1%})")
+    route = summary["routing"]
+    print(f"requests forwarded {route['forwarded']:.0f}, served here {route['served_here']:.0f}, here after a "
+          f"failed forward {route['fallback']:.0f}, restored {route['restored']:.0f}, received from peers "
+          f"{route['received']:.0f}; {route['bytes_not_moved'] / 1e6:.1f} MB not moved")
     return 0
 
 
@@ -126,5 +130,10 @@ def summarize_metrics(text: str) -> dict[str, Any]:
     recomputed = get("kvtier_tokens_recomputed_total")
     reused = get("kvtier_tokens_slot_reused_total")
     total = restored + recomputed + reused
+    decisions = {d: get("kvtier_route_decisions_total", decision=d) for d in ("forwarded", "served_here", "fallback")}
+    routing = {**decisions, "restored": get("kvtier_cost_decisions_total", decision="restore"),
+               "received": get("kvtier_route_forwarded_in_total"),
+               "bytes_not_moved": get("kvtier_route_bytes_not_moved_total")}
     return {"tiers": tiers, "tokens": {"restored": restored, "recomputed": recomputed, "slot_reused": reused,
-                                       "restored_share": restored / total if total else 0.0}}
+                                       "restored_share": restored / total if total else 0.0},
+            "routing": routing}

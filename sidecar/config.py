@@ -144,6 +144,15 @@ class Settings:
     prefill_tps_prior: float = _option(300.0, "prior prefill rate (tokens/s) before one is measured", _float)
     restore_gbps_prior: float = _option(0.5, "prior restore bandwidth (GB/s) before one is measured", _float)
     prewarm: bool = _option(False, "prefetch chunks announced by other nodes into the local tiers", _bool)
+    advertise_url: str | None = _option(None, "URL peers reach this sidecar at (http://POD_IP:8081); with redis_url, "
+                                               "this node publishes the prefixes its slots hold and its load in the "
+                                               "fleet view, so peers can forward requests to it")
+    forward: bool = _option(False, "forward a completion to the peer sidecar whose slots hold its prefix hot when "
+                                   "the cost model (restore, recompute, the peer's queue) says it answers sooner "
+                                   "(needs redis_url)", _bool)
+    forward_timeout: float = _option(1.0, "seconds to connect to a peer; a peer that cannot be reached, answers "
+                                          "with an error or leaves the fleet view before its answer starts leaves "
+                                          "the request to this node", _float)
     shutdown_timeout: float = _option(20.0, "seconds to drain requests and writes on SIGTERM", _float)
     keep_restore_files: int = _option(1 << 30, "bytes of restore files (one per slot) kept in the slot dir and "
                                                "overwritten in place by the next restore: no new pages to allocate "
@@ -309,6 +318,14 @@ def validate(s: Settings) -> None:
         raise ConfigError("cost-model priors must be positive")
     if s.prewarm and not s.redis_url:
         raise ConfigError("prewarm needs redis_url (events come through Redis pub/sub)")
+    if s.forward and not s.redis_url:
+        raise ConfigError("forward needs redis_url (the fleet view is in Redis)")
+    if s.advertise_url is not None:
+        adv = urlsplit(s.advertise_url)
+        if adv.scheme not in ("http", "https") or not adv.hostname or adv.path not in ("", "/"):
+            raise ConfigError(f"advertise_url: expected http(s)://host:port, got {s.advertise_url!r}")
+    if s.forward_timeout <= 0:
+        raise ConfigError("forward_timeout must be positive")
     if s.shutdown_timeout < 0:
         raise ConfigError("shutdown_timeout must not be negative")
     if s.node_id and not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", s.node_id):

@@ -22,7 +22,8 @@ from multidict import CIMultiDict
 from integrations.llama_server import LlamaServerError
 from tiers.sessions import validate_session_id
 
-from .appkeys import ENGINE, METRICS, SETTINGS, UPSTREAM
+from .appkeys import ENGINE, FORWARDER, METRICS, SETTINGS, UPSTREAM
+from .forward import may_forward, route_or_none
 from .middlewares import client_gone, json_error, read_body, request_id
 from .prompts import asked_of
 from .upstream import UpstreamError, UpstreamResponse
@@ -174,6 +175,7 @@ async def _completion(request: web.Request, kind: str) -> web.StreamResponse:
         metrics.requests.labels(kind, "invalid").inc()
         return json_error(400, too_long)
     started = time.perf_counter()
+    forwarder = may_forward(request)
     session_id = request.headers.get("X-Session-Id")
     want = body.get("id_slot")
     want = want if isinstance(want, int) and not isinstance(want, bool) and 0 <= want < engine.target.n_slots else None  # type: ignore[union-attr]
@@ -199,6 +201,12 @@ async def _completion(request: web.Request, kind: str) -> web.StreamResponse:
                 validate_session_id(session_id)
             except ValueError as exc:
                 return json_error(400, f"X-Session-Id: {exc}")
+        if forwarder is not None:
+            # Before a slot is taken: a peer holding this prompt hot may answer it sooner.
+            answer = await route_or_none(forwarder, request, raw, prompt.tokens, salt)
+            if answer is not None:
+                metrics.requests.labels(kind, "forwarded").inc()
+                return answer
         plan = await engine.prepare(prompt, want_slot=want, salt=salt, session_id=session_id, since=started,
                                     asked=asked or ())
     relay = Relay()
@@ -211,8 +219,11 @@ async def _completion(request: web.Request, kind: str) -> web.StreamResponse:
         if not plan.follow_up:  # a follow-up's tokens are not computed: its timings tell them
             headers["X-KVTier-Prompt-Tokens"] = str(plan.tokens.size)
             headers["X-KVTier-Slot-Cached-Tokens"] = str(plan.lease.cached_tokens)
+        answering = time.perf_counter()
         response = await _relay(request, upstream_body(raw, body, plan.lease.slot), headers, relay, capture=True)
         metrics.requests.labels(kind, "ok" if relay.ok else "upstream_error").inc()
+        if relay.ok and (fleet_of := request.app[FORWARDER]) is not None:
+            fleet_of.fleet.observe_service(time.perf_counter() - answering)  # published: peers' wait estimates
         return response
     finally:
         # Saved when llama-server finished its answer, even if the client (or a shutdown) cut the

@@ -39,9 +39,12 @@ class Sidecar:
 
 
 @contextlib.asynccontextmanager
-async def run_sidecar(settings: Settings) -> AsyncIterator[Sidecar]:
+async def run_sidecar(settings: Settings, *, advertise: bool = False) -> AsyncIterator[Sidecar]:
+    """``advertise``: its own URL as ``advertise_url`` (peers forward to it)."""
     port = free_port()
     settings = replace(settings, listen=f"127.0.0.1:{port}")
+    if advertise:
+        settings = replace(settings, advertise_url=f"http://127.0.0.1:{port}")
     app = create_app(settings)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
@@ -92,10 +95,10 @@ async def post(url: str, body: Any, *, raw: bytes | None = None, headers: dict[s
             return Answer(r.status, parsed, dict(r.headers), text)
 
 
-async def post_stream(url: str, body: Any) -> tuple[int, list[Any], dict[str, str]]:
+async def post_stream(url: str, body: Any, headers: dict[str, str] | None = None) -> tuple[int, list[Any], dict[str, str]]:
     """POST with ``stream: true``; returns the parsed SSE events (``[DONE]`` as the string)."""
     events: list[Any] = []
-    async with aiohttp.ClientSession() as s, s.post(url, json={**body, "stream": True}) as r:
+    async with aiohttp.ClientSession() as s, s.post(url, json={**body, "stream": True}, headers=headers) as r:
         buf = b""
         async for piece in r.content.iter_any():
             buf += piece

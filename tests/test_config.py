@@ -54,10 +54,14 @@ SAMPLES: dict[str, tuple[Any, Any]] = {
     "prefill_tps_prior": ("123.5", 123.5),
     "restore_gbps_prior": ("2.5", 2.5),
     "prewarm": (True, True),
+    "advertise_url": ("http://10.0.0.7:8081", "http://10.0.0.7:8081"),
+    "forward": (True, True),
+    "forward_timeout": ("0.25", 0.25),
     "shutdown_timeout": ("3.5", 3.5),
     "keep_restore_files": ("0", 0),
 }
-NEEDS = {"auth_all": {"auth_token": "tok"}, "prewarm": {"redis_url": "redis://r/0"}}  # what validation asks
+NEEDS = {"auth_all": {"auth_token": "tok"}, "prewarm": {"redis_url": "redis://r/0"},
+         "forward": {"redis_url": "redis://r/0"}}  # what validation asks
 
 
 def test_samples_cover_every_setting() -> None:

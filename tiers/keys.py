@@ -164,6 +164,18 @@ def pending_key(namespace: Namespace, prefix_hash: bytes) -> bytes:
     return f"kvtier:{namespace.id}:p:{prefix_hash.hex()}".encode()
 
 
+def fleet_key(namespace: Namespace) -> bytes:
+    """The fleet's directory of sidecars serving one model (a sorted set of node ids):
+    ``kvtier:{ns}:fleet``, ``ns`` being the model's namespace without a tenant salt."""
+    return f"kvtier:{namespace.id}:fleet".encode()
+
+
+def fleet_node_key(namespace: Namespace, node_id: str) -> bytes:
+    """One sidecar's entry in the fleet view (its status and the prefixes its slots hold hot):
+    ``kvtier:{ns}:f:{node}``."""
+    return f"kvtier:{namespace.id}:f:{node_id}".encode()
+
+
 def session_key(namespace: Namespace, session_id: str) -> bytes:
     """Storage key of a session manifest: ``kvtier:{ns}:s:{session}``."""
     return f"kvtier:{namespace.id}:s:{session_id}".encode()

@@ -1,0 +1,328 @@
+"""Cache-aware forwarding: serve a completion here, or on the peer whose slots hold its prefix hot.
+
+On a completion whose prompt tokens are known, before a slot is taken, ``Forwarder.route`` asks
+the fleet view (``sidecar.fleet``) which live peers hold the prompt's prefix in an idle slot, and
+the local tiers how much this node could restore, in parallel (one round trip's latency). The cost
+model then compares, in seconds until the prompt is computed:
+
+    here    = local wait + min(recompute what the slot lacks,
+                               restore what the tiers hold + recompute the rest)
+    at peer = FORWARD_OVERHEAD_S + the peer's wait (its busy slots, queue, and what this node
+              already sent it) + recompute what its slot lacks
+
+and forwards when the peer is sooner by at least ``FORWARD_MIN_GAIN_S``. The gain is absolute,
+not a ratio: the suffix both nodes compute is the same, and on slow hardware it would hide a
+restore's cost in any ratio. A peer's wait counts its queue, so hot conversations do not pile onto
+one node: a busy peer loses to a restore here.
+
+A request is forwarded at most once: the forwarded copy carries ``X-KVTier-Forwarded`` and is
+always served where it lands. It goes with the client's headers and body as they came (auth,
+``X-KVTier-Salt``, ``cache_salt``, ``X-Session-Id``): the peer applies its own rules, exactly as if
+the client had sent it there. Its answer streams back unchanged. A peer that cannot be reached,
+answers with anything but 2xx, or drops out of the fleet view before its answer starts, leaves the
+request to this node (never an error); once the peer's answer has started, it is relayed to the end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+import numpy as np
+from aiohttp import web
+from multidict import CIMultiDict
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from integrations.kvflow import find_prefix, restorable_tokens
+from tiers.errors import KVTierError
+from tiers.keys import Namespace, common_prefix, prefix_chain
+from tiers.store import TieredStore
+
+from .appkeys import ENGINE, FORWARDER, METRICS, REDIS, SETTINGS
+from .costmodel import CostModel
+from .fleet import Fleet, PeerHeat, local_wait_s
+from .metrics import LATENCY_BUCKETS
+from .watcher import Target
+
+log = logging.getLogger("kvtier.forward")
+
+FORWARDED_HEADER = "X-KVTier-Forwarded"  # set on a forwarded request: the node that forwarded it
+FORWARDED_TO_HEADER = "X-KVTier-Forwarded-To"  # set on the answer: the node that served it
+FORWARD_OVERHEAD_S = 0.005  # one more HTTP hop between sidecars (a LAN round trip and a relay)
+FORWARD_MIN_GAIN_S = 0.010  # forward only when the peer is predicted at least this much sooner
+LIVENESS_CHECK_S = 1.0  # while waiting for a peer's answer to start, how often its entry is checked
+_HOP_BY_HOP = {
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
+    "transfer-encoding", "upgrade", "host", "content-length", "expect",
+}
+
+
+class ForwardMetrics:
+    """The routing decisions, on the sidecar's registry."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.decisions = Counter(
+            "kvtier_route_decisions", "Completions by where they were served: forwarded (to a peer holding "
+            "their prefix hot), served_here, fallback (a peer failed or timed out; served here)",
+            ["decision"], registry=registry)
+        self.received = Counter("kvtier_route_forwarded_in", "Completions peers forwarded to this node",
+                                registry=registry)
+        self.bytes_not_moved = Counter(
+            "kvtier_route_bytes_not_moved", "KV bytes a restore here would have read, not read because the "
+            "request was forwarded to the peer holding them", registry=registry)
+        self.fallback_seconds = Histogram(
+            "kvtier_route_fallback_seconds", "Time a failed forward cost before the request was served here",
+            buckets=LATENCY_BUCKETS, registry=registry)
+        self.failures = Counter("kvtier_route_forward_failures", "Forwards that fell back to serving here, by "
+                                "reason: connect, status, gone (left the fleet view), error", ["reason"],
+                                registry=registry)
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """Where one request goes, and why."""
+
+    peer: PeerHeat | None  # None: serve here
+    here_s: float
+    peer_s: float
+    here_restores: int  # tokens a restore here would bring (0: recompute or the slot holds them)
+    bytes_not_moved: int  # what that restore would have read, when forwarded
+
+
+def choose_route(n_tokens: int, here_cached: int, found_tokens: int, found_bytes: dict[str, int],
+                 peers: list[PeerHeat], cost: CostModel, *, local_wait: float = 0.0,
+                 in_flight: dict[str, int] | None = None) -> Route:
+    """Serve here (restore or recompute, the planner decides as ever) or forward to one peer.
+
+    Args:
+        n_tokens: the prompt's tokens.
+        here_cached: what this node's best idle slot already holds of it.
+        found_tokens, found_bytes: what the local tiers hold of it, and the bytes per tier.
+        peers: live peers holding some of it hot (``Fleet.lookup``).
+        local_wait: seconds until a slot is free here.
+        in_flight: requests already forwarded to each peer and not answered.
+    """
+    rate = cost.prefill_tps.value
+    here_restores = 0
+    here_s = (n_tokens - here_cached) / rate
+    gain = found_tokens - here_cached
+    if gain > 0:
+        decision = cost.decide(gain, found_bytes)
+        if decision.restore:
+            here_restores = gain
+            here_s = decision.predicted_restore_s + (n_tokens - found_tokens) / rate
+    here_s += local_wait
+    best: PeerHeat | None = None
+    best_s = float("inf")
+    for peer in peers:
+        if peer.hot_tokens <= here_cached:
+            continue
+        extra = (in_flight or {}).get(peer.status.node, 0)
+        peer_s = FORWARD_OVERHEAD_S + peer.status.wait_s(extra) + (n_tokens - peer.hot_tokens) / rate
+        if peer_s < best_s:
+            best, best_s = peer, peer_s
+    if best is None or best_s + FORWARD_MIN_GAIN_S > here_s:
+        return Route(None, here_s, best_s, here_restores, 0)
+    not_moved = sum(found_bytes.values()) if here_restores else 0
+    return Route(best, here_s, best_s, here_restores, not_moved)
+
+
+class Forwarder:
+    """Routes completions between this sidecar and its peers; owns the HTTP client to them."""
+
+    def __init__(self, fleet: Fleet, store: TieredStore, cost: CostModel, metrics: ForwardMetrics, *,
+                 enabled: bool, connect_timeout: float):
+        self.fleet = fleet
+        self.store = store
+        self.cost = cost
+        self.metrics = metrics
+        self.enabled = enabled
+        self.session = aiohttp.ClientSession(
+            cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, connect=connect_timeout))
+
+    async def aclose(self) -> None:
+        await self.session.close()
+
+    async def route(self, target: Target, namespace: Namespace, tokens: np.ndarray, here_cached: int,
+                    local_wait: float) -> Route | None:
+        """Where a request for ``tokens`` (this tenant's ``namespace``) is best served; None when
+        no peer holds more of it than this node's slot (or the view cannot be read)."""
+        C = namespace.chunk_tokens
+        limit = restorable_tokens(int(tokens.size), target.n_ctx_slot)
+        chain = prefix_chain(namespace, tokens, limit // C)
+        try:
+            peers, found = await asyncio.gather(self.fleet.lookup(namespace, tokens[:limit], chain),
+                                                find_prefix(self.store, namespace, tokens, n_ctx=target.n_ctx_slot))
+        except KVTierError as exc:
+            log.debug("fleet view not read: %s", exc)
+            return None
+        peers = [PeerHeat(p.status, min(p.hot_tokens, limit)) for p in peers]
+        if not any(p.hot_tokens > here_cached for p in peers):
+            return None
+        return choose_route(int(tokens.size), here_cached, found.n_tokens,
+                            found.bytes_by_tier(C, target.bytes_per_token), peers, self.cost,
+                            local_wait=local_wait, in_flight=self.fleet.in_flight)
+
+    async def forward(self, request: web.Request, raw: bytes, route: Route) -> web.StreamResponse | None:
+        """Send the request to ``route.peer`` and relay its answer; None when this node must serve
+        it (the peer failed before its answer started; counted)."""
+        assert route.peer is not None
+        peer = route.peer.status
+        headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP)
+        headers[FORWARDED_HEADER] = self.fleet.node_id
+        url = peer.url.rstrip("/") + request.raw_path
+        self.fleet.in_flight[peer.node] = self.fleet.in_flight.get(peer.node, 0) + 1
+        try:
+            upstream = await self._answer_start(url, headers, raw, peer.node)
+            if upstream is None:
+                return None
+            if not 200 <= upstream.status < 300:
+                self.metrics.failures.labels("status").inc()
+                log.warning("peer %s answered %d; serving here", peer.node, upstream.status)
+                upstream.release()
+                return None
+            self.metrics.decisions.labels("forwarded").inc()
+            self.metrics.bytes_not_moved.inc(route.bytes_not_moved)
+            log.info("forwarded to %s (%d tokens hot there; predicted %.0f ms vs %.0f ms here)", peer.node,
+                     route.peer.hot_tokens, route.peer_s * 1e3, route.here_s * 1e3)
+            return await self._relay(request, upstream, peer.node)
+        finally:
+            left = self.fleet.in_flight.get(peer.node, 1) - 1
+            if left > 0:
+                self.fleet.in_flight[peer.node] = left
+            else:
+                self.fleet.in_flight.pop(peer.node, None)
+
+    async def _answer_start(self, url: str, headers: CIMultiDict[str], raw: bytes,
+                            node: str) -> aiohttp.ClientResponse | None:
+        """The peer's response once its status and headers arrived; None (counted) when the peer
+        cannot be reached or leaves the fleet view first."""
+        async def send() -> aiohttp.ClientResponse:
+            return await self.session.post(url, data=raw, headers=headers, allow_redirects=False)
+
+        sending = asyncio.ensure_future(send())
+        try:
+            while True:
+                done, _ = await asyncio.wait({sending}, timeout=LIVENESS_CHECK_S)
+                if done:
+                    return sending.result()
+                if not await self.fleet.alive(node):
+                    if sending.done() and not sending.cancelled() and sending.exception() is None:
+                        sending.result().close()  # it started just now: too late, the request is ours
+                    self.metrics.failures.labels("gone").inc()
+                    log.warning("peer %s left the fleet view before answering; serving here", node)
+                    return None
+        except (aiohttp.ClientConnectionError, TimeoutError, OSError) as exc:
+            self.metrics.failures.labels("connect").inc()
+            log.warning("peer %s unreachable (%s); serving here", node, exc or type(exc).__name__)
+            return None
+        except aiohttp.ClientError as exc:
+            self.metrics.failures.labels("error").inc()
+            log.warning("peer %s failed (%s); serving here", node, exc)
+            return None
+        finally:
+            if not sending.done():
+                sending.cancel()  # closes the connection: the peer drops the request
+
+    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, node: str) -> web.StreamResponse:
+        """Stream the peer's answer back as it came (status, headers, bytes)."""
+        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        for k, v in upstream.headers.items():
+            if k.lower() not in _HOP_BY_HOP:
+                response.headers.add(k, v)
+        response.headers[FORWARDED_TO_HEADER] = node
+        if upstream.content_length is not None:
+            response.content_length = upstream.content_length
+        try:
+            await response.prepare(request)
+            async for piece in upstream.content.iter_any():
+                await response.write(piece)
+            await response.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError) as exc:
+            upstream.close()  # the client went away: the peer stops generating
+            if isinstance(exc, asyncio.CancelledError):
+                raise
+            raise asyncio.CancelledError from None
+        except aiohttp.ClientError as exc:
+            # Cut short by the peer after its answer started: the client's connection is closed too.
+            log.warning("peer %s's answer broke off: %s", node, exc)
+            upstream.close()
+            raise
+        finally:
+            upstream.release()
+        return response
+
+
+def here_cached(target: Target, tokens: np.ndarray, salt: str, slots: list[tuple[np.ndarray, str, bool]]) -> int:
+    """What this node's best idle slot of the tenant ``salt`` holds of ``tokens`` (as the slot
+    table would choose); ``slots`` are (tokens, owner, idle)."""
+    best = 0
+    for held, owner, idle in slots:
+        if idle and owner == salt:
+            best = max(best, common_prefix(held, tokens))
+    return min(best, restorable_tokens(int(tokens.size), target.n_ctx_slot))
+
+
+async def route_or_none(forwarder: Forwarder, request: web.Request, raw: bytes, tokens: np.ndarray,
+                        salt: str) -> web.StreamResponse | None:
+    """The peer's answer when the request for ``tokens`` (tenant ``salt``) is better served
+    there; None: serve it here."""
+    target, table = forwarder.fleet.watcher.target, forwarder.fleet.watcher.slots
+    if target is None or table is None:
+        return None
+    namespace = target.namespace_for(salt)
+    t0 = time.perf_counter()
+    cached = here_cached(target, tokens, salt, [(s.tokens, s.owner, not s.busy or s.saving) for s in table.slots])
+    route = await forwarder.route(target, namespace, tokens, cached,
+                                  local_wait_s(table, forwarder.fleet.service_s.value))
+    if route is None or route.peer is None:
+        forwarder.metrics.decisions.labels("served_here").inc()
+        if route is not None:
+            log.info("serving here: predicted %.0f ms, against %.0f ms at the best peer", route.here_s * 1e3,
+                     route.peer_s * 1e3)
+        return None
+    log.debug("route decided in %.1f ms", (time.perf_counter() - t0) * 1e3)
+    t1 = time.perf_counter()
+    answer = await forwarder.forward(request, raw, route)
+    if answer is None:
+        forwarder.metrics.decisions.labels("fallback").inc()
+        forwarder.metrics.fallback_seconds.observe(time.perf_counter() - t1)
+    return answer
+
+
+async def fleet_resources(app: web.Application) -> AsyncIterator[None]:
+    """The fleet heartbeat and the forwarder (``cleanup_ctx``), with Redis and either
+    ``--advertise-url`` or ``--forward``; nothing otherwise."""
+    settings, redis = app[SETTINGS], app[REDIS]
+    if redis is None or not (settings.advertise_url or settings.forward):
+        yield
+        return
+    engine = app[ENGINE]
+    fleet = Fleet(redis.connection, settings.node_id, settings.advertise_url, engine.watcher)
+    forwarder = Forwarder(fleet, engine.store, engine.cost, ForwardMetrics(app[METRICS].registry),
+                          enabled=settings.forward, connect_timeout=settings.forward_timeout)
+    app[FORWARDER] = forwarder
+    heartbeat = asyncio.get_running_loop().create_task(fleet.run_forever(), name="kvtier-fleet")
+    try:
+        yield
+    finally:
+        heartbeat.cancel()
+        await fleet.withdraw()
+        await forwarder.aclose()
+
+
+def may_forward(request: web.Request) -> Forwarder | None:
+    """The forwarder when this request may be sent on: forwarding is on and no peer forwarded it
+    here already (counted; such a request is served here, never sent on)."""
+    forwarder = request.app[FORWARDER]
+    if forwarder is None:
+        return None
+    if FORWARDED_HEADER in request.headers:
+        forwarder.metrics.received.inc()
+        return None
+    return forwarder if forwarder.enabled else None
