@@ -374,10 +374,14 @@ def test_kvtier_serve_accepts_the_rendered_flags_and_env(set_name: str, tmp_path
         elif "secretKeyRef" in source:
             env[var["name"]] = f"from-secret-{source['secretKeyRef']['key']}"
         elif "fieldRef" in source:
-            env[var["name"]] = pod_name
+            env[var["name"]] = "10.1.2.3" if source["fieldRef"]["fieldPath"] == "status.podIP" else pod_name
         else:
             env[var["name"]] = var["value"]
-    settings = load_settings([local(a) for a in args_of(kvtier)], env=env)
+
+    def expand(arg: str) -> str:  # the kubelet's $(VAR) expansion of container args
+        return re.sub(r"\$\(([A-Z0-9_]+)\)", lambda m: env.get(m.group(1), m.group(0)), arg)
+
+    settings = load_settings([local(expand(a)) for a in args_of(kvtier)], env=env)
 
     llama = rendered.container("llama-server")
     assert settings.slot_dir == flag(llama, "--slot-save-path").rstrip("/")
@@ -393,6 +397,8 @@ def test_kvtier_serve_accepts_the_rendered_flags_and_env(set_name: str, tmp_path
             settings.redis_password
             == "from-secret-" + env_of(kvtier)["KVTIER_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]["key"]
         )
+    if redis_mode != "none":
+        assert settings.advertise_url == f"http://10.1.2.3:{kvtier['ports'][0]['containerPort']}"
     if "--auth-token-file" in args_of(kvtier):
         assert settings.auth_token == "t0ken-from-secret"
     for key, value in VALUE_SETS[set_name][0].get("kvtier", {}).get("config", {}).items():
@@ -693,7 +699,7 @@ def test_without_redis_the_sidecar_gets_no_redis_settings() -> None:
 
 def test_network_policy_lets_only_the_sidecars_reach_redis() -> None:
     rendered = value_set("bundled-redis")
-    policy = rendered.one("NetworkPolicy")
+    policy = rendered.one("NetworkPolicy", f"{FULLNAME}-redis")
     redis_labels = rendered.redis["spec"]["template"]["metadata"]["labels"]
     assert matches(policy["spec"]["podSelector"]["matchLabels"], redis_labels)
     [rule] = policy["spec"]["ingress"]
@@ -704,6 +710,79 @@ def test_network_policy_lets_only_the_sidecars_reach_redis() -> None:
     assert not matches(allowed, redis_labels), "the selector must be specific to the sidecars' Pods"
     assert rule["ports"] == [{"port": 6379, "protocol": "TCP"}]
     assert not render().all("NetworkPolicy"), "the NetworkPolicy is optional (off by default)"
+
+
+@pytest.mark.parametrize(
+    ("values", "forwards"),
+    [
+        ({}, False),  # one replica: nobody to forward to
+        ({"workload": {"replicas": 3}}, True),
+        ({"autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 4}}, True),
+        ({"workload": {"replicas": 3}, "kvtier": {"forwarding": {"enabled": False}}}, False),
+        ({"kvtier": {"forwarding": {"enabled": True}}}, True),
+        ({"workload": {"replicas": 3}, "redis": {"mode": "none"}}, False),  # no fleet view without Redis
+    ],
+)
+def test_forwarding_is_on_with_more_than_one_replica_and_can_be_turned_off(values: dict[str, Any],
+                                                                           forwards: bool) -> None:
+    rendered = render(values)
+    kvtier = rendered.container("kvtier")
+    assert ("--forward" in args_of(kvtier)) == forwards
+    headless = [s for s in rendered.all("Service") if s["metadata"]["name"] == f"{FULLNAME}-headless"]
+    assert bool(headless) == forwards, "peers are discoverable by a headless Service when they forward"
+    if headless:
+        [svc] = headless
+        assert svc["spec"]["clusterIP"] == "None"
+        assert matches(svc["spec"]["selector"], rendered.pod["metadata"]["labels"])
+        assert svc["spec"]["ports"][0]["targetPort"] == kvtier["ports"][0]["containerPort"]
+    if values.get("redis", {}).get("mode") == "none":
+        assert "--advertise-url" not in args_of(kvtier) and "KVTIER_POD_IP" not in env_of(kvtier)
+    else:  # every Pod is a possible target: it advertises its Pod IP
+        assert flag(kvtier, "--advertise-url") == f"http://$(KVTIER_POD_IP):{kvtier['ports'][0]['containerPort']}"
+        assert env_of(kvtier)["KVTIER_POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
+
+
+def test_forwarding_without_redis_fails_with_a_clear_message() -> None:
+    assert "kvtier.forwarding.enabled=true needs Redis" in render_error(
+        {"redis": {"mode": "none"}, "kvtier": {"forwarding": {"enabled": True}}})
+
+
+def test_network_policy_lets_peers_and_clients_reach_only_the_sidecar_port() -> None:
+    values = {"workload": {"replicas": 2}, "networkPolicy": {"enabled": True}}
+    rendered = render(values)
+    policy = rendered.one("NetworkPolicy", FULLNAME)
+    assert matches(policy["spec"]["podSelector"]["matchLabels"], rendered.pod["metadata"]["labels"])
+    peers, clients = policy["spec"]["ingress"]
+    port = [{"port": rendered.container("kvtier")["ports"][0]["containerPort"], "protocol": "TCP"}]
+    assert peers["ports"] == clients["ports"] == port
+    [source] = peers["from"]
+    assert matches(source["podSelector"]["matchLabels"], rendered.pod["metadata"]["labels"])
+    assert "from" not in clients, "clients: any source by default"
+    only = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}
+    limited = render({**values, "networkPolicy": {"enabled": True, "clients": [only]}})
+    assert limited.one("NetworkPolicy", FULLNAME)["spec"]["ingress"][1]["from"] == [only]
+
+
+def test_grafana_dashboard_is_a_labelled_config_map_with_the_routing_panels() -> None:
+    cm = render().one("ConfigMap", f"{FULLNAME}-dashboard")
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(cm["data"]["kvtier.json"])
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p["targets"])
+    for metric in ("kvtier_route_decisions_total", "kvtier_restore_phase_seconds_bucket", "kvtier_tier_hits_total",
+                   "kvtier_tier_bytes_read_total", "kvtier_route_bytes_not_moved_total", "kvtier_slot_queue_depth"):
+        assert metric in exprs, metric
+    from sidecar.forward import ForwardMetrics
+    from sidecar.metrics import Metrics
+
+    metrics = Metrics()
+    ForwardMetrics(metrics.registry)
+    exported = {family.name + suffix for family in metrics.registry.collect()
+                for suffix in ("", "_total", "_bucket", "_sum", "_count")}
+    named = set(re.findall(r"kvtier_[a-z_]+", exprs))
+    tier_metrics = {n for n in named if n.startswith(("kvtier_tier_", "kvtier_write_queue"))}  # from the store
+    assert named - tier_metrics <= exported, named - tier_metrics - exported
+    off = render({"grafanaDashboard": {"enabled": False}})
+    assert f"{FULLNAME}-dashboard" not in {c["metadata"]["name"] for c in off.all("ConfigMap")}
 
 
 # ------------------------------------------------------------------- scaling and monitoring

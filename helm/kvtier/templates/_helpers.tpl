@@ -216,7 +216,29 @@ very data the Secret holds, also on the first install.
 {{- if and $v.podDisruptionBudget.enabled (not (kindIs "invalid" $v.podDisruptionBudget.minAvailable)) (not (kindIs "invalid" $v.podDisruptionBudget.maxUnavailable)) -}}
 {{- fail "podDisruptionBudget: set either minAvailable or maxUnavailable, not both (set the other to null)" -}}
 {{- end -}}
+{{- if and (eq $v.redis.mode "none") (eq (toString $v.kvtier.forwarding.enabled) "true") -}}
+{{- fail "kvtier.forwarding.enabled=true needs Redis (redis.mode bundled or external): the fleet view the sidecars forward by lives there" -}}
+{{- end -}}
 {{- if and $v.autoscaling.enabled (lt (int $v.autoscaling.maxReplicas) (int $v.autoscaling.minReplicas)) -}}
 {{- fail "autoscaling.maxReplicas must be >= autoscaling.minReplicas" -}}
 {{- end -}}
+{{- end }}
+
+{{/* ---------------------------------------------------------------- the fleet */}}
+
+{{/* "true" when the sidecars forward requests to the peer holding their KV hot: kvtier.forwarding.enabled,
+     or when it is null, whenever there is Redis and more than one replica (or the HPA may make more). */}}
+{{- define "kvtier.forwarding" -}}
+{{- $v := .Values -}}
+{{- $f := $v.kvtier.forwarding.enabled -}}
+{{- if ne $v.redis.mode "none" -}}
+{{- if kindIs "invalid" $f -}}
+{{- if or (gt (int $v.workload.replicas) 1) (and $v.autoscaling.enabled (gt (int $v.autoscaling.maxReplicas) 1)) }}true{{ end -}}
+{{- else if $f }}true{{ end -}}
+{{- end -}}
+{{- end }}
+
+{{/* "true" when the sidecars publish themselves in the fleet view (any Redis): peers may forward to them. */}}
+{{- define "kvtier.advertise" -}}
+{{- if ne .Values.redis.mode "none" }}true{{ end -}}
 {{- end }}

@@ -138,6 +138,14 @@ volumeMounts:
 - --shared-size
 - {{ $k.sharedTier.size | quote }}
 {{- end }}
+{{- if include "kvtier.advertise" . }}
+# Where peers reach this sidecar: the Pod IP (KVTIER_POD_IP, downward API), expanded by the kubelet.
+- --advertise-url
+- {{ printf "http://$(KVTIER_POD_IP):%d" (int $k.port) | quote }}
+{{- end }}
+{{- if include "kvtier.forwarding" . }}
+- --forward
+{{- end }}
 {{- if $k.auth.enabled }}
 - --auth-token-file
 - {{ include "kvtier.paths.authToken" . | quote }}
@@ -210,6 +218,12 @@ env:
     valueFrom:
       fieldRef:
         fieldPath: metadata.name
+  {{- if include "kvtier.advertise" . }}
+  - name: KVTIER_POD_IP
+    valueFrom:
+      fieldRef:
+        fieldPath: status.podIP
+  {{- end }}
   {{- with include "kvtier.sidecar.redisEnv" . | trim }}
   {{- . | nindent 2 }}
   {{- end }}
