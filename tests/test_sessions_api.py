@@ -142,7 +142,9 @@ async def test_tenant_never_gets_another_tenants_prefix(nodes: Nodes) -> None:
     await a.engine.drain(30)
     await a.store.flush(30)
     other_node = await post(b.url + "/completion", body, headers={"X-KVTier-Salt": "tenant-2"})
-    same_node = await post(a.url + "/completion", {**body, "cache_salt": "tenant-2"})
+    # Another tenant again: tenant 2's own state, which node b is saving now, is tenant 2's to
+    # restore (a request waits for a save in flight of its own prefix).
+    same_node = await post(a.url + "/completion", {**body, "cache_salt": "tenant-3"})
     prompt_tokens = int(first.headers["X-KVTier-Prompt-Tokens"])
     for ans in (other_node, same_node):
         assert ans.status == 200 and ans.restored == 0
