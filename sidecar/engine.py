@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 
-from integrations.kvflow import PrefixFound
 from integrations.llama_server import LlamaServerClient, LlamaServerError, Timings
 from tiers.base import TierRole
 from tiers.errors import KVTierError
@@ -31,7 +30,7 @@ from tiers.events import EventBus
 from tiers.keys import Namespace
 from tiers.pending import PendingSaves
 from tiers.sessions import Manifest, SessionNotFound, SessionStore
-from tiers.store import FetchResult, LookupResult, TieredStore
+from tiers.store import FetchResult, TieredStore
 
 from .config import Settings
 from .costmodel import CostModel
@@ -49,7 +48,6 @@ log = logging.getLogger("kvtier.engine")
 SAVE_DELAY_S = 0.01  # between delivering an answer and saving its slot
 NO_TOKENS = np.zeros(0, np.int32)
 NO_TOKENS.flags.writeable = False
-NOTHING_FOUND = PrefixFound(LookupResult(0, [], []), None)
 
 
 @dataclass(slots=True)
@@ -231,7 +229,8 @@ class KVEngine:
         assert plan.session_id is not None
         lease = plan.lease
         try:
-            manifest = await self._load_session(plan, target)
+            manifest = await self.planner.find_session(self.sessions, plan.namespace, plan.session_id, plan.tokens,
+                                                       lease.cached_tokens, target, lease.slot)
             if not self.planner.session_worth(manifest, plan.tokens, lease.cached_tokens, target,
                                               self._session_tier, lease.slot):
                 return False
@@ -248,24 +247,6 @@ class KVEngine:
         plan.took(restored)
         plan.restored_session = manifest
         return True
-
-    async def _load_session(self, plan: RequestPlan, target: Target) -> Manifest:
-        """The request's session; when another node is still saving a longer version of it (the
-        turn before this one), after that save, within ``--save-wait``."""
-        assert plan.session_id is not None
-        try:
-            manifest = await self.sessions.load(plan.namespace, plan.session_id)
-            have = int(manifest.tokens.size)
-        except SessionNotFound:
-            manifest, have = None, 0  # its first save may be the one in flight
-        ended = await self.planner.wait_for_save(plan.namespace, plan.tokens, NOTHING_FOUND,
-                                                 max(have, plan.lease.cached_tokens), target, plan.lease.slot)
-        if ended is None and manifest is not None:
-            return manifest
-        manifest = await self.sessions.load(plan.namespace, plan.session_id)
-        if ended:
-            self.planner.waited_for(have, int(manifest.tokens.size))
-        return manifest
 
     # -- the sessions API -------------------------------------------------------------------------
 

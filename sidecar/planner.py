@@ -11,8 +11,8 @@ from integrations.llama_server import Timings, prefix_reused
 from tiers.base import TierRole
 from tiers.keys import Namespace, common_prefix
 from tiers.pending import PendingSaves
-from tiers.sessions import Manifest
-from tiers.store import TieredStore
+from tiers.sessions import Manifest, SessionNotFound, SessionStore
+from tiers.store import LookupResult, TieredStore
 
 from .costmodel import CostModel
 from .metrics import Metrics
@@ -20,6 +20,7 @@ from .watcher import Target
 
 log = logging.getLogger("kvtier.engine")
 
+NOTHING_FOUND = PrefixFound(LookupResult(0, [], []), None)  # what a lookup of no stored chunk finds
 WASTED_LIMIT = 3  # restores in a row llama-server throws away before restores stop for that layout
 
 
@@ -94,6 +95,27 @@ class RestorePlanner:
         tier = remote[0] if remote else self.store.tiers[-1].name
         decision = self.cost.decide(gain, {tier: gain * target.bytes_per_token})
         return decision.predicted_recompute_s - decision.predicted_restore_s
+
+    async def find_session(self, sessions: SessionStore, namespace: Namespace, session_id: str, tokens: np.ndarray,
+                           cached: int, target: Target, slot: int) -> Manifest:
+        """Session ``session_id``; when another node is still saving a longer version of it (the
+        turn before this one, or its first), after that save, as ``wait_for_save`` bounds it.
+
+        Raises:
+            SessionNotFound, KVTierError: as ``SessionStore.load``.
+        """
+        try:
+            manifest: Manifest | None = await sessions.load(namespace, session_id)
+        except SessionNotFound:
+            manifest = None  # its first save may be the one in flight
+        have = int(manifest.tokens.size) if manifest is not None else 0
+        ended = await self.wait_for_save(namespace, tokens, NOTHING_FOUND, max(have, cached), target, slot)
+        if ended is None and manifest is not None:
+            return manifest
+        manifest = await sessions.load(namespace, session_id)
+        if ended:
+            self.waited_for(have, int(manifest.tokens.size))
+        return manifest
 
     def session_worth(self, manifest: Manifest, tokens: np.ndarray, cached: int, target: Target,
                       tier: str, slot: int) -> bool:
