@@ -21,6 +21,10 @@ reader's cost grows with the number of peers, which for llama-server fleets is s
 need no rule here: a chain is rooted in the tenant's namespace, so another tenant's prompt can
 never match it.
 
+No pub/sub events: a reader reads the entries at lookup time and caches nothing of them, so there
+is no view to invalidate; what events would add (freshness) the change-driven rewrite gives, within
+``POLL_S`` of a slot changing.
+
 Everything here is a hint: a garbled status is skipped, and a wrong one costs a request time
 (the peer's own kvtier and llama-server check what they hold), never correctness.
 """

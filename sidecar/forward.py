@@ -45,6 +45,7 @@ from tiers.store import TieredStore
 from .appkeys import ENGINE, FORWARDER, METRICS, REDIS, SETTINGS
 from .costmodel import CostModel
 from .fleet import Fleet, PeerHeat, local_wait_s
+from .logs import request_id
 from .metrics import LATENCY_BUCKETS
 from .watcher import Target
 
@@ -152,6 +153,8 @@ class Forwarder:
                     local_wait: float) -> Route | None:
         """Where a request for ``tokens`` (this tenant's ``namespace``) is best served; None when
         no peer holds more of it than this node's slot (or the view cannot be read)."""
+        if not self.fleet.peers:
+            return None  # nobody to forward to: no lookup at all
         C = namespace.chunk_tokens
         limit = restorable_tokens(int(tokens.size), target.n_ctx_slot)
         chain = prefix_chain(namespace, tokens, limit // C)
@@ -175,6 +178,8 @@ class Forwarder:
         peer = route.peer.status
         headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP)
         headers[FORWARDED_HEADER] = self.fleet.node_id
+        if request_id.get():
+            headers["X-Request-Id"] = request_id.get()  # one id in both nodes' logs
         url = peer.url.rstrip("/") + request.raw_path
         self.fleet.in_flight[peer.node] = self.fleet.in_flight.get(peer.node, 0) + 1
         try:

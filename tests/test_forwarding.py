@@ -138,7 +138,7 @@ async def test_a_busy_peer_is_not_chosen(fleet: tuple[Sidecar, Sidecar, redis.Re
     other = 1 - int(first.headers["X-KVTier-Slot"])
     # A's other slot runs one long answer and two more wait for it: A is busy.
     long_ones = [asyncio.create_task(post(a.url + "/completion", {
-        "prompt": f"Count from {i} to one thousand:", "n_predict": 120, "id_slot": other, "temperature": 0},
+        "prompt": f"Count from {i} to one thousand:", "n_predict": 64, "id_slot": other, "temperature": 0},
         headers=AUTH)) for i in range(3)]
     try:
         await until(lambda: _async((s := status_of(r, "a")) is not None and s.queue >= 1), what="A queues")
