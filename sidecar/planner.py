@@ -80,7 +80,7 @@ class RestorePlanner:
         if not waited.ended:
             self.metrics.save_waits.labels("timeout").inc()
         log.info("slot %d: waited %.0f ms for %s's save of %d tokens (%s)", slot, waited.seconds * 1e3,
-                 waited.save.mark.node or "another node", waited.save.n_tokens,
+                 waited.save.mark.node or "another node", waited.save.mark.covers,
                  "it ended" if waited.ended else "timeout")
         return waited.ended
 
