@@ -76,20 +76,21 @@ class Cluster:
 def cluster(n: int, llama_args: Sequence[str], *, sidecar: bool, redis_url: str | None, chunk_tokens: int = 256,
             model: str | None = None, sidecar_args: Sequence[str] = (),
             node_sidecar_args: Sequence[Sequence[str]] | None = None, workdir: str | None = DEFAULT_WORKDIR,
-            names: Sequence[str] | None = None) -> Iterator[Cluster]:
+            names: Sequence[str] | None = None, advertise: bool = False) -> Iterator[Cluster]:
     """Start ``n`` nodes (in parallel threads: loading is mostly waiting) and stop them on exit.
 
     Args:
         sidecar_args: extra ``kvtier serve`` flags for every node.
         node_sidecar_args: more flags per node (node i gets ``node_sidecar_args[i]``).
         workdir: where the slot directories live (default /dev/shm: memory-backed, as in the chart).
+        advertise: each sidecar publishes its URL in the fleet view (peers may forward to it).
     """
     model = model or smollm2_path()
     names = list(names or [chr(ord("A") + i) for i in range(n)])
     per_node = [list(a) for a in node_sidecar_args] if node_sidecar_args else [[] for _ in range(n)]
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-", dir=workdir) as tmp:
         nodes = [Node(names[i], Path(tmp), model, list(llama_args), redis_url, chunk_tokens,
-                      extra_sidecar_args=[*sidecar_args, *per_node[i]]) for i in range(n)]
+                      extra_sidecar_args=[*sidecar_args, *per_node[i]], advertise=advertise) for i in range(n)]
         try:
             with ThreadPoolExecutor(n) as pool:
                 list(pool.map(lambda node: node.start(sidecar), nodes))

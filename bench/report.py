@@ -35,6 +35,8 @@ Scenarios (each side by side with its baseline, in the same run):
    answer's end to its save being readable in Redis (``bench/agents.py``).
 7. memory_types: a 2k-token conversation hopping nodes for SmolLM2, Gemma 3 (default flags and
    ``--swa-full``) and a generated hybrid (lfm2), recompute against kvtier (``bench/memtypes.py``).
+8. routing: concurrent conversations with think time, round robin in front: llama-server alone,
+   sticky, kvtier restore-only, kvtier with forwarding (``bench/routing.py``).
 
 Writes ``bench/results/report.json`` (git-ignored), ``docs/benchmarks.md`` and ``docs/img/*.png``.
 """
@@ -53,7 +55,7 @@ from typing import Any
 
 from rich.progress import Progress
 
-from . import agents, hop, memtypes
+from . import agents, hop, memtypes, routing
 from .common import (
     RESULTS_DIR,
     Timer,
@@ -82,7 +84,7 @@ from .common import (
 from .hop import RESTORE_PHASES
 
 SCENARIOS = ("memory", "turns", "move", "move_fa_off", "multiuser", "short", "agent_loop", "server_restarts",
-             "save_readable", "memory_types")
+             "save_readable", "memory_types", "routing")
 # llama-server's flash attention: its default (auto) turns it on for a CPU; off, V is stored transposed.
 FA_OFF = ("-fa", "off")
 CLAIMS = {
@@ -95,11 +97,15 @@ PRESETS: dict[str, dict[str, Any]] = {
              "turn_tokens": 40, "move_sizes": [1024, 4096, 8000], "reps": 5, "users": 4, "rounds": 4,
              "mu_system": 1000, "mu_context": 300, "short_lengths": [64, 128, 256], "agent_histories": [2000, 6000],
              "agent_turns": 5, "restart_history": 2200, "restart_turns": 6, "readable_sizes": [2048, 8000],
+             "routing_nodes": 3, "routing_conversations": 6, "routing_doc": 2000, "routing_turns": 4,
+             "routing_private": 400,
              "types_history": 2000},
     "quick": {"sessions": 10, "system_tokens": 600, "own_tokens": 150, "turns": 12, "turn_system": 300,
               "turn_tokens": 30, "move_sizes": [512, 2048], "reps": 3, "users": 3, "rounds": 3,
               "mu_system": 400, "mu_context": 120, "short_lengths": [64, 128], "agent_histories": [2000],
               "agent_turns": 4, "restart_history": 1000, "restart_turns": 4, "readable_sizes": [2048],
+              "routing_nodes": 2, "routing_conversations": 3, "routing_doc": 600, "routing_turns": 3,
+              "routing_private": 200,
               "types_history": 1000},
 }
 
@@ -277,6 +283,9 @@ async def run_all(a: argparse.Namespace, preset: dict[str, Any], redis_url: str,
                                                                    a.threads, prog),
             "memory_types": lambda: memtypes.scenario_memory_types(redis_url, preset["types_history"], a.threads,
                                                                    a.max_tokens, prog),
+            "routing": lambda: routing.scenario_routing(
+                redis_url, preset["routing_nodes"], preset["routing_conversations"], preset["routing_doc"],
+                preset["routing_turns"], preset["routing_private"], a.threads, a.max_tokens, prog),
         }
         for name in SCENARIOS:
             if name not in a.scenarios:
@@ -582,6 +591,7 @@ def render_markdown(report: dict[str, Any], other: dict[str, Any], images: dict[
     parts.append(agents.md_agents(sc, md_table))
     if sc.get("memory_types"):
         parts.append(memtypes.md_memory_types(sc["memory_types"], md_table))
+    parts.append(routing.md_routing(sc, md_table))
     if errors:
         parts.append("\n## Scenarios that failed in this run\n\n" + "".join(f"- {k}: `{e}`\n" for k, e in errors.items()))
     parts.append(_md_others(other))
