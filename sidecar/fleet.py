@@ -26,12 +26,18 @@ is no view to invalidate; what events would add (freshness) the change-driven re
 ``POLL_S`` of a slot changing.
 
 Everything here is a hint: a garbled status is skipped, and a wrong one costs a request time
-(the peer's own kvtier and llama-server check what they hold), never correctness.
+(the peer's own kvtier and llama-server check what they hold), never correctness. The status holds
+the URL requests are sent to, with the client's headers: with ``--chunk-key`` it carries a keyed
+BLAKE2b MAC and a status without a valid one is skipped, so whoever can write to Redis but lacks the
+secret cannot steer requests to an address of its choosing (forged chunk-hash fields can only send
+a request to a genuine peer, which costs time).
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import logging
 import time
@@ -80,16 +86,23 @@ class NodeStatus:
     service_s: float  # seconds a request holds a slot, on average (EWMA)
     ready: bool = True
 
-    def encode(self) -> bytes:
-        return json.dumps({"v": FORMAT, "node": self.node, "url": self.url, "busy": self.busy, "queue": self.queue,
+    def encode(self, mac_key: bytes | None = None) -> bytes:
+        """JSON, followed with ``mac_key`` by ``\n`` and its keyed BLAKE2b MAC (hex)."""
+        raw = json.dumps({"v": FORMAT, "node": self.node, "url": self.url, "busy": self.busy, "queue": self.queue,
                            "service_s": round(self.service_s, 4), "ready": self.ready,
                            "slots": [[s.n_tokens, int(s.idle), s.tail.hex()] for s in self.slots]}).encode()
+        return raw if mac_key is None else raw + b"\n" + _mac(mac_key, raw).encode()
 
     @classmethod
-    def parse(cls, raw: object) -> NodeStatus | None:
-        """The status a stored value holds; None for anything else (a hint: never raises)."""
+    def parse(cls, raw: object, mac_key: bytes | None = None) -> NodeStatus | None:
+        """The status a stored value holds; None for anything else, or without a valid MAC when
+        ``mac_key`` is given (a hint: never raises)."""
         if not isinstance(raw, bytes) or len(raw) > 1 << 16:
             return None
+        if mac_key is not None:
+            raw, _, mac = raw.rpartition(b"\n")
+            if not hmac.compare_digest(mac, _mac(mac_key, raw).encode()):
+                return None
         try:
             d = json.loads(raw)
             slots = tuple(SlotHeat(int(n), bool(idle), bytes.fromhex(tail)) for n, idle, tail in d["slots"])
@@ -115,6 +128,10 @@ class PeerHeat:
 
     status: NodeStatus
     hot_tokens: int
+
+
+def _mac(key: bytes, raw: bytes) -> str:
+    return hashlib.blake2b(raw, key=key[:64], digest_size=32, person=b"kvtier-fleet").hexdigest()
 
 
 def slot_heat(namespace: Namespace, tokens: np.ndarray) -> tuple[list[ChunkHash], bytes]:
@@ -158,11 +175,13 @@ class Fleet:
         url: the URL peers reach this sidecar at (``--advertise-url``); None: read the view, never
             appear in it.
         watcher: the llama-server and its slot table.
+        mac_key: ``--chunk-key``: statuses are written with a keyed MAC and read only with a valid one.
     """
 
     def __init__(self, connection: RedisConnection, node_id: str, url: str | None, watcher: ServerWatcher, *,
-                 clock: Callable[[], float] = time.time):
+                 clock: Callable[[], float] = time.time, mac_key: bytes | None = None):
         self.connection = connection
+        self.mac_key = mac_key
         self.node_id = node_id
         self.url = url
         self.watcher = watcher
@@ -222,7 +241,7 @@ class Fleet:
         expiry = self._clock() + DIRECTORY_TTL_S
         directory = fleet_key(namespace)
         mapping: dict[bytes, bytes] = {h: b"%d" % mask for h, mask in fields.items()}
-        mapping[STATUS_FIELD] = status.encode()
+        mapping[STATUS_FIELD] = status.encode(self.mac_key)
 
         def fill(pipe):  # type: ignore[no-untyped-def]
             if old_key and old_key != key:
@@ -314,7 +333,7 @@ class Fleet:
         for node, values in zip(peers, results):
             if not isinstance(values, list) or not values:
                 continue
-            status = NodeStatus.parse(values[0])
+            status = NodeStatus.parse(values[0], self.mac_key)
             if status is None or status.node != node or not status.ready:
                 continue
             masks = [_mask(v) for v in values[1:]]

@@ -308,7 +308,8 @@ async def fleet_resources(app: web.Application) -> AsyncIterator[None]:
         yield
         return
     engine = app[ENGINE]
-    fleet = Fleet(redis.connection, settings.node_id, settings.advertise_url, engine.watcher)
+    fleet = Fleet(redis.connection, settings.node_id, settings.advertise_url, engine.watcher,
+                  mac_key=settings.chunk_key.encode() if settings.chunk_key else None)
     forwarder = Forwarder(fleet, engine.store, engine.cost, ForwardMetrics(app[METRICS].registry),
                           enabled=settings.forward, connect_timeout=settings.forward_timeout)
     app[FORWARDER] = forwarder

@@ -42,6 +42,18 @@ def test_a_status_is_a_hint_and_garbage_is_none() -> None:
         assert NodeStatus.parse(bad) is None, bad
 
 
+def test_with_a_key_a_status_without_its_mac_is_none() -> None:
+    """A status names the URL requests go to: without the secret nobody can plant one."""
+    key = b"a-secret-of-16-bytes-or-more"
+    st = status([SlotHeat(70, True, b"")])
+    signed = st.encode(key)
+    assert NodeStatus.parse(signed, key) == st
+    assert NodeStatus.parse(st.encode(), key) is None  # unsigned
+    assert NodeStatus.parse(st.encode(b"another-secret-of-16-bytes"), key) is None
+    forged = signed.replace(b"10.0.0.2", b"10.6.6.6")
+    assert NodeStatus.parse(forged, key) is None
+
+
 def test_the_wait_counts_the_queue_ahead_in_slots() -> None:
     idle = [SlotHeat(0, True, b"")] * 4
     assert status(idle, busy=3).wait_s() == 0.0  # a slot is free
