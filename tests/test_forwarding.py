@@ -135,6 +135,8 @@ async def test_a_busy_peer_is_not_chosen(fleet: tuple[Sidecar, Sidecar, redis.Re
                        headers={**AUTH, "X-KVTier-Salt": "t3"})
     assert first.status == 200
     await until(lambda: _async((s := status_of(r, "a")) is not None and s.busy == 0 and s.queue == 0), what="A idle")
+    await a.engine.drain(30)  # A's save is in the tiers: B's restore does not race it
+    assert await a.store.flush(30)
     other = 1 - int(first.headers["X-KVTier-Slot"])
     # A's other slot runs one long answer and two more wait for it: A is busy.
     long_ones = [asyncio.create_task(post(a.url + "/completion", {
@@ -159,6 +161,8 @@ async def test_a_forwarded_request_is_never_forwarded_again(fleet: tuple[Sidecar
                        headers={**AUTH, "X-KVTier-Salt": "t4"})
     assert first.status == 200
     await until(lambda: _async((s := status_of(r, "a")) is not None and s.busy == 0), what="A idle")
+    await a.engine.drain(30)  # A's save is in the tiers: what B restores does not race it
+    assert await a.store.flush(30)
     received = b.metric("kvtier_route_forwarded_in_total")
     forwarded = b.metric("kvtier_route_decisions_total", decision="forwarded")
     answer = await post(b.url + "/v1/chat/completions", turn_two(first, "What does room 6 hold?"),
