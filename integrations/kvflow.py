@@ -186,14 +186,15 @@ async def wait_for_pending(pending: PendingSaves, namespace: Namespace, tokens: 
 
 @contextlib.asynccontextmanager
 async def pending_save(pending: PendingSaves | None, namespace: Namespace, tokens: np.ndarray,
-                       node: str) -> AsyncIterator[None]:
+                       node: str, *, ready_at: float = 0.0) -> AsyncIterator[None]:
     """Marks for a save of a state that starts with ``tokens`` (``pending_marks``), held for the
-    block: other nodes' next turns of it may wait for it. Nothing without ``pending``."""
+    block: other nodes' next turns of it may wait for it. ``ready_at``: when Redis should hold
+    it (``time.time()``; 0 for no estimate). Nothing without ``pending``."""
     if pending is None or not tokens.size:
         yield
         return
     keys = [key for key, _ in pending_marks(namespace, tokens)]
-    async with pending.held(keys, PendingMark(int(tokens.size), node)):
+    async with pending.held(keys, PendingMark(int(tokens.size), node, ready_at)):
         yield
 
 

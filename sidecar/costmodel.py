@@ -2,6 +2,7 @@
 
 recompute_s = tokens / prefill_rate
 restore_s   = overhead + bytes / fetch_bw (per source tier) + bytes / restore_bw
+readable_s  = tokens * readable_per_token  (an answer's save, until Redis holds it)
 
 Rates are exponentially weighted moving averages of what this node measured, starting from
 priors. A restore is chosen only when it is predicted to be clearly faster (``margin``), so a
@@ -47,6 +48,7 @@ class CostModel:
         self.prefill_tps = Ewma(prefill_tps)
         self.fetch_bps: dict[str, Ewma] = {}
         self.restore_bps = Ewma(restore_gbps * 1e9)
+        self.readable_s_per_token = Ewma(0.0)  # no prior: unknown until this node's first save lands
         self._fetch_prior = restore_gbps * 1e9
         self.margin = margin
         self.min_tokens = min_tokens
@@ -68,6 +70,19 @@ class CostModel:
             with self._lock:
                 self.restore_bps.update(nbytes / seconds)
 
+    def observe_readable(self, tokens: int, seconds: float) -> None:
+        """An answer of ``tokens`` prompt tokens whose save Redis held ``seconds`` after it ended."""
+        if tokens > 0:
+            with self._lock:
+                self.readable_s_per_token.update(seconds / tokens)
+
+    def expected_readable(self, tokens: int) -> float | None:
+        """Seconds from an answer of ``tokens`` prompt tokens until Redis holds its save; None
+        before this node has seen one (nodes alike save alike: its figure stands for its peers')."""
+        with self._lock:
+            per_token = self.readable_s_per_token
+            return per_token.value * tokens if per_token.samples else None
+
     def decide(self, tokens: int, bytes_by_tier: dict[str, int]) -> Decision:
         """Should ``tokens`` be restored (reading ``bytes_by_tier``) instead of recomputed?"""
         with self._lock:
@@ -85,6 +100,7 @@ class CostModel:
 
     def snapshot(self) -> dict[str, float]:
         with self._lock:
-            out = {"prefill_tps": self.prefill_tps.value, "restore_bps": self.restore_bps.value}
+            out = {"prefill_tps": self.prefill_tps.value, "restore_bps": self.restore_bps.value,
+                   "readable_s_per_token": self.readable_s_per_token.value}
             out.update({f"fetch_bps_{t}": e.value for t, e in self.fetch_bps.items()})
         return out

@@ -101,7 +101,7 @@ class KVEngine:
         self.sessions = sessions
         self.planner = RestorePlanner(store, self.cost, metrics, pending=pending, save_wait=settings.save_wait)
         self.restorer = RestoreWriter(store, self.sessions, self.files, self.cost, metrics)
-        self.saver = Saver(store, self.sessions, self.files, metrics, node_id=settings.node_id, events=events,
+        self.saver = Saver(store, self.sessions, self.files, metrics, self.cost, node_id=settings.node_id, events=events,
                            pending=pending)
         self.session_slots: dict[str, int] = {}  # session id -> the slot that served it last
         self._session_tier = _session_tier(store, sessions)
@@ -300,7 +300,7 @@ class KVEngine:
                 lease.release()
                 self.metrics.pending_saves.set(max(len(self._pending) - 1, 0))
             if stored:
-                await self.saver.readable(answered)
+                await self.saver.readable(answered, int(plan.tokens.size))
 
     async def _save(self, plan: RequestPlan, ok: bool, answer: bytes | None) -> bool:
         """Learn from the answer, then save the slot's state; False when nothing was stored."""

@@ -73,7 +73,8 @@ class Metrics:
             "kvtier_save_readable_seconds", "From the end of an answer until Redis holds its new chunks and tail "
             "(when another node's next turn can restore it)", buckets=LATENCY_BUCKETS, registry=r)
         self.save_waits = Counter("kvtier_save_waits", "Requests that waited for another save in flight: landed "
-                                  "(it brought more), failed (gone, nothing more), timeout", ["outcome"], registry=r)
+                                  "(it brought more), failed (gone, nothing more), timeout; skipped: not "
+                                  "waited for, expected later than waiting would pay", ["outcome"], registry=r)
         self.save_wait_seconds = Histogram("kvtier_save_wait_seconds", "Time waited for a save in flight",
                                            buckets=LATENCY_BUCKETS, registry=r)
         self.overhead_seconds = Histogram("kvtier_overhead_seconds", "Sidecar time before forwarding (prompt tokens, "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 
@@ -45,11 +46,12 @@ class RestorePlanner:
             return None
         if restorable_tokens(int(tokens.size), target.n_ctx_slot) // C * C <= cached:
             return None  # the slot holds every full chunk a restore could bring
-        found = await find_prefix(self.store, namespace, tokens, n_ctx=target.n_ctx_slot, whole=target.whole)
+        found = await find_prefix(self.store, namespace, tokens, n_ctx=target.n_ctx_slot, whole=target.whole,
+                                  tail_only=target.tail_only)
         ended = await self.wait_for_save(namespace, tokens, found, max(found.n_tokens, cached), target, slot)
         if ended is not None:
             before, found = found.n_tokens, await find_prefix(self.store, namespace, tokens, n_ctx=target.n_ctx_slot,
-                                                              whole=target.whole)
+                                                              whole=target.whole, tail_only=target.tail_only)
             if ended:
                 self.waited_for(before, found.n_tokens)
         gain = found.n_tokens - cached
@@ -72,7 +74,7 @@ class RestorePlanner:
         if self.pending is None or self.save_wait <= 0:
             return None
         waited = await wait_for_pending(self.pending, namespace, tokens, found, have,
-                                        lambda save: min(self.save_wait, self._worth_waiting(save, have, target)),
+                                        lambda save: self._wait_bound(save, have, target, slot),
                                         n_ctx=target.n_ctx_slot)
         if waited is None:
             return None
@@ -88,13 +90,26 @@ class RestorePlanner:
         """Count what a wait that ended brought: more than ``before`` tokens (landed) or not (failed)."""
         self.metrics.save_waits.labels("landed" if after > before else "failed").inc()
 
-    def _worth_waiting(self, save: PendingSave, have: int, target: Target) -> float:
-        """Seconds a wait for ``save`` may last and still beat recomputing what it would add."""
+    def _wait_bound(self, save: PendingSave, have: int, target: Target, slot: int) -> float:
+        """Seconds a wait for ``save`` may last and still beat recomputing what it would add, at
+        most ``save_wait``; 0 (no wait) when its node expects it to land later than that: such a
+        wait could only time out, adding its length to the turn (counted as ``skipped``)."""
         gain = save.n_tokens - have
         remote = [t.name for t in self.store.tiers if t.role is TierRole.REMOTE]
         tier = remote[0] if remote else self.store.tiers[-1].name
         decision = self.cost.decide(gain, {tier: gain * target.bytes_per_token})
-        return decision.predicted_recompute_s - decision.predicted_restore_s
+        bound = min(self.save_wait, decision.predicted_recompute_s - decision.predicted_restore_s)
+        if save.mark.ready_at:
+            expected: float | None = save.mark.ready_at - time.time()
+        else:  # its node has no estimate yet: this node's own, as if the save had just begun
+            expected = self.cost.expected_readable(save.mark.covers)
+        if bound > 0 and expected is not None and expected > bound:
+            self.metrics.save_waits.labels("skipped").inc()
+            log.info("slot %d: not waiting for %s's save of %d tokens: expected in %.0f ms, recomputing %d tokens "
+                     "is faster (%.0f ms)", slot, save.mark.node or "another node", save.mark.covers, expected * 1e3,
+                     gain, bound * 1e3)
+            return 0.0
+        return bound
 
     async def find_session(self, sessions: SessionStore, namespace: Namespace, session_id: str, tokens: np.ndarray,
                            cached: int, target: Target, slot: int) -> Manifest:

@@ -15,6 +15,7 @@ from tiers.pending import PendingSaves
 from tiers.sessions import Manifest, SessionStore
 from tiers.store import TieredStore
 
+from .costmodel import CostModel
 from .metrics import Metrics
 from .slotfiles import SlotFiles
 from .slots import SlotTable
@@ -25,9 +26,11 @@ log = logging.getLogger("kvtier.engine")
 class Saver:
     """Saves slots into the tiers (the flows of ``integrations.kvflow``) and keeps the slot table true."""
 
-    def __init__(self, store: TieredStore, sessions: SessionStore, files: SlotFiles, metrics: Metrics, *,
-                 node_id: str, events: Publisher | None = None, pending: PendingSaves | None = None):
+    def __init__(self, store: TieredStore, sessions: SessionStore, files: SlotFiles, metrics: Metrics,
+                 cost: CostModel, *, node_id: str, events: Publisher | None = None,
+                 pending: PendingSaves | None = None):
         self.store = store
+        self.cost = cost  # learns how soon a save is readable; marks tell other nodes
         self.sessions = sessions
         self.files = files
         self.metrics = metrics
@@ -38,16 +41,21 @@ class Saver:
 
     def in_flight(self, namespace: Namespace, tokens: np.ndarray) -> contextlib.AbstractAsyncContextManager[None]:
         """Tell other nodes, for the duration of the block, that a save of a state starting with
-        ``tokens`` (the prompt just answered) is coming: their next turn of it may wait for it."""
-        return pending_save(self.pending, namespace, tokens, self.node_id)
+        ``tokens`` (the prompt just answered) is coming, and when Redis should hold it: their next
+        turn of it may wait for it."""
+        expected = self.cost.expected_readable(int(tokens.size))
+        ready_at = time.time() + expected if expected is not None else 0.0
+        return pending_save(self.pending, namespace, tokens, self.node_id, ready_at=ready_at)
 
-    async def readable(self, answered: float) -> None:
-        """Wait until Redis holds what was stored so far; observe the time since ``answered``
-        (``perf_counter()`` at the end of the answer)."""
+    async def readable(self, answered: float, n_tokens: int) -> None:
+        """Wait until Redis holds what was stored so far, a save of ``n_tokens``; observe the time
+        since ``answered`` (``perf_counter()`` at the end of the answer)."""
         if self.pending is None:
             return
         if await self.store.written(timeout=60):
-            self.metrics.save_readable_seconds.observe(time.perf_counter() - answered)
+            seconds = time.perf_counter() - answered
+            self.metrics.save_readable_seconds.observe(seconds)
+            self.cost.observe_readable(n_tokens, seconds)
 
     async def save_slot(self, table: SlotTable, slot: int, namespace: Namespace, *, owner: str = "") -> SeqState:
         """Save ``slot``, store its new chunks and its partial tail, and record what it holds."""

@@ -140,28 +140,49 @@ async def test_a_save_whose_node_dies_releases_its_waiters(node_a: Node, node_b:
     node_a.start(with_sidecar=True)
 
 
+async def _answer_under_mark(sc: Sidecar, redis_srv: RedisProc, room: int, ready_at: float) -> float:
+    """Answer a fresh conversation while a mark, as a save of it would set on its last full chunk,
+    stands there written by someone else with no expiry (and garbage under the mark of its first
+    chunk); the seconds the answer took."""
+    body = {**chat([], f"What does room {room} hold?"),
+            "messages": [{"role": "system", "content": f"Rows {room}. " + DOC.replace("Entry", "Row")},
+                         {"role": "user", "content": f"What does room {room} hold?"}]}
+    prompt = await sc.engine.prompts.prompt_for("chat", body)
+    assert prompt is not None
+    tokens = prompt.tokens
+    marks = [key for key, n in pending_marks(sc.engine.target.namespace, tokens) if n % CHUNK == 0]
+    with redis.Redis(port=redis_srv.port) as r:
+        r.set(marks[-1], PendingMark(int(tokens.size), "nobody", ready_at).encode())
+        r.set(marks[0], b"\xff" * 40)
+        t0 = time.monotonic()
+        ans = await post(sc.url + "/v1/chat/completions", body)
+        took = time.monotonic() - t0
+        r.delete(marks[-1], marks[0])
+    assert ans.status == 200
+    return took
+
+
 async def test_a_mark_nobody_clears_holds_a_request_no_longer_than_the_bound(
         node_b: tuple[LlamaServer, Sidecar], redis_srv: RedisProc) -> None:
     _, b = node_b  # its llama-server, with a sidecar that waits at most 1 s
     async with run_sidecar(replace(b.settings, save_wait=1.0, node_id="b2")) as sc:
         assert await sc.engine.ensure_ready()
-        # A mark as a save of this very conversation would set on its last full chunk, but
-        # written by someone else with no expiry; and garbage under the mark of its first chunk.
-        body = {**chat([], "What does room 30 hold?"),
-                "messages": [{"role": "system", "content": "Rows. " + DOC.replace("Entry", "Row")},
-                             {"role": "user", "content": "What does room 30 hold?"}]}
-        prompt = await sc.engine.prompts.prompt_for("chat", body)
-        assert prompt is not None
-        tokens = prompt.tokens
-        marks = [key for key, n in pending_marks(sc.engine.target.namespace, tokens) if n % CHUNK == 0]
-        with redis.Redis(port=redis_srv.port) as r:
-            r.set(marks[-1], PendingMark(int(tokens.size), "nobody").encode())
-            r.set(marks[0], b"\xff" * 40)
-            t0 = time.monotonic()
-            ans = await post(sc.url + "/v1/chat/completions", body)
-            took = time.monotonic() - t0
-            r.delete(marks[-1], marks[0])
-        assert ans.status == 200
+        took = await _answer_under_mark(sc, redis_srv, 30, ready_at=0.0)  # no estimate: wait to the bound
         assert sc.metric("kvtier_save_waits_total", outcome="timeout") == 1
         assert 1.0 <= sc.metric("kvtier_save_wait_seconds_sum") < 1.5
         assert took >= 1.0
+
+
+async def test_a_save_expected_later_than_the_bound_is_not_waited_for(
+        node_b: tuple[LlamaServer, Sidecar], redis_srv: RedisProc) -> None:
+    _, b = node_b
+    async with run_sidecar(replace(b.settings, save_wait=1.0, node_id="b3")) as sc:
+        assert await sc.engine.ensure_ready()
+        # Its node says Redis will hold it in a minute: a wait could only time out.
+        await _answer_under_mark(sc, redis_srv, 31, ready_at=time.time() + 60)
+        assert sc.metric("kvtier_save_waits_total", outcome="skipped") == 1
+        assert sc.metric("kvtier_save_wait_seconds_count") == 0
+        # Expected within the bound (here: due already): waited for, to the bound, as before.
+        await _answer_under_mark(sc, redis_srv, 32, ready_at=time.time())
+        assert sc.metric("kvtier_save_waits_total", outcome="timeout") == 1
+        assert sc.metric("kvtier_save_waits_total", outcome="skipped") == 1

@@ -3,7 +3,10 @@ node can wait for a save instead of recomputing what it is about to store.
 
 A node that has just answered marks, before it saves, the prefixes its save will store (keys from
 ``keys.pending_key``; which prefixes is ``integrations.kvflow``'s business). Each marker says how
-many tokens the save covers at least and which node saves. It lives ``ttl`` seconds and is renewed
+many tokens the save covers at least, which node saves, and when that node expects Redis to hold
+it (wall-clock time, from its own past saves; nodes' clocks are assumed to agree to well under a
+save's duration, as NTP keeps them: a skewed clock only makes a reader wait when it need not, or
+not when it could, always within its bound). It lives ``ttl`` seconds and is renewed
 while the save runs, so the marker of a node that died is gone within ``ttl``; a save that ends,
 well or not, deletes its markers at once. A reader polls the marker it waits for and stops as soon
 as it is gone.
@@ -26,30 +29,34 @@ from .redis_conn import RedisConnection
 
 log = logging.getLogger("kvtier.store")
 
-MAGIC = b"KVPW"
-_HEAD = struct.Struct("<4sI")  # magic, tokens the save covers at least; then the node id (UTF-8)
+MAGIC = b"KVP2"
+_HEAD = struct.Struct("<4sIQ")  # magic, tokens the save covers at least, expected readable (unix ms, 0:
+# no estimate); then the node id (UTF-8)
 MAX_NODE_BYTES = 128
 
 
 @dataclass(frozen=True, slots=True)
 class PendingMark:
-    """One marker: a save in flight on ``node`` that stores at least ``covers`` tokens."""
+    """One marker: a save in flight on ``node`` that stores at least ``covers`` tokens, readable
+    in Redis at ``ready_at`` (``time.time()`` on ``node``; 0: the node has no estimate yet)."""
 
     covers: int
     node: str
+    ready_at: float = 0.0
 
     def encode(self) -> bytes:
-        return _HEAD.pack(MAGIC, self.covers) + self.node.encode()[:MAX_NODE_BYTES]
+        ready_ms = max(0, min(int(self.ready_at * 1000), 2**64 - 1))
+        return _HEAD.pack(MAGIC, self.covers, ready_ms) + self.node.encode()[:MAX_NODE_BYTES]
 
     @classmethod
     def parse(cls, raw: object) -> PendingMark | None:
         """The marker a stored value holds; None for anything else."""
         if not isinstance(raw, bytes) or not _HEAD.size <= len(raw) <= _HEAD.size + MAX_NODE_BYTES:
             return None
-        magic, covers = _HEAD.unpack_from(raw)
+        magic, covers, ready_ms = _HEAD.unpack_from(raw)
         if magic != MAGIC:
             return None
-        return cls(covers, raw[_HEAD.size:].decode(errors="replace"))
+        return cls(covers, raw[_HEAD.size:].decode(errors="replace"), ready_ms / 1000)
 
 
 class PendingSaves:
