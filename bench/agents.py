@@ -85,7 +85,7 @@ async def scenario_agent_loop(redis_url: str, histories: Sequence[int], turns: i
                     samples = [await scrape(s, cl.url(i)) for i in range(3)]
                     out.setdefault("waits", {})[mode] = {
                         outcome: sum(delta(x, {}, "kvtier_save_waits_total", outcome=outcome) for x in samples)
-                        for outcome in ("landed", "failed", "timeout")}
+                        for outcome in ("landed", "failed", "timeout", "skipped")}
         out["modes"][mode] = hops
     out["table"] = _loop_table(out)
     return out

@@ -261,3 +261,35 @@ async def test_a_dead_or_hung_peer_leaves_the_request_here(
     assert b.metric("kvtier_route_forward_failures_total", reason="connect") == 1
     assert lost() - hung < 0.5, lost() - hung  # refused at once
     assert b.metric("kvtier_route_decisions_total", decision="fallback") == 2
+
+
+async def test_a_session_turn_is_forwarded_and_its_session_saved_as_if_served_there(
+        fleet: tuple[Sidecar, Sidecar, redis.Redis]) -> None:
+    a, b, r = fleet
+    session = {**AUTH, "X-KVTier-Salt": "t7", "X-Session-Id": "forwarded-chat"}
+    first = await post(a.url + "/v1/chat/completions", chat([], "What does room 9 hold?"), headers=session)
+    assert first.status == 200
+    await until(lambda: _async((s := status_of(r, "a")) is not None and s.busy == 0), what="A idle")
+    # Turn 2 reaches B: forwarded to A, whose slot holds the session's history.
+    second_body = turn_two(first, "What does room 9 hold?")
+    second = await post(b.url + "/v1/chat/completions", second_body, headers=session)
+    assert second.status == 200 and second.headers.get(FORWARDED_TO_HEADER) == "a"
+    assert second.prompt_n < CHUNK
+    await a.engine.drain(30)  # A saved the session as of turn 2, into the shared tiers
+    assert await a.store.flush(30)
+    target = b.engine.target
+    assert target is not None
+    saved = await b.engine.sessions.load(target.namespace_for("t7"), "forwarded-chat")
+    assert saved.node == "a" and saved.n_tokens > second.body["timings"]["cache_n"] + second.prompt_n
+    # Turn 3 is served on B (a forwarded copy is never sent on): it restores the session A saved.
+    third_body = {**second_body, "messages": [*second_body["messages"],  # type: ignore[list-item]
+                                              {"role": "assistant", "content": second.content},
+                                              {"role": "user", "content": "And room 11?"}]}
+    third = await post(b.url + "/v1/chat/completions", third_body, headers={**session, FORWARDED_HEADER: "x"})
+    assert third.status == 200 and FORWARDED_TO_HEADER not in third.headers
+    assert third.restored == saved.n_tokens  # the whole history, to turn 2's answer
+    assert third.prompt_n < CHUNK
+    # Another tenant with the same session id has no such session: nothing restored.
+    other = await post(b.url + "/v1/chat/completions", third_body,
+                       headers={**session, "X-KVTier-Salt": "t8", FORWARDED_HEADER: "x"})
+    assert other.status == 200 and other.restored == 0
