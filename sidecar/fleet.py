@@ -7,7 +7,8 @@ A sidecar with ``--advertise-url`` publishes, under its model's namespace (no te
   some slot holds (``tiers.keys.prefix_chain`` of its tokens, under its tenant's namespace), its
   value the bitmask of the slots holding it. The key lives ``HEARTBEAT_TTL_S`` and is rewritten
   every ``HEARTBEAT_S`` (at once when a slot changes), so a sidecar that dies drops out within
-  ``HEARTBEAT_TTL_S``: Redis expires it, no one has to notice.
+  ``HEARTBEAT_TTL_S``: Redis expires it, no one has to notice. A sidecar whose llama-server fails
+  its health check (dead or hung, ``ServerWatcher.up``) withdraws its entry until it answers again.
 - ``kvtier:{ns}:fleet``: a sorted set of node ids (score: wall-clock expiry), the directory a
   sidecar reads once per heartbeat to know whom to ask.
 
@@ -282,7 +283,9 @@ class Fleet:
         """Publish on every change of the slot table (checked every ``POLL_S``) and every heartbeat."""
         while True:
             try:
-                if self.url is not None:
+                if self.url is not None and not self.watcher.up:
+                    await self.withdraw()  # a hung or dead llama-server: peers must not send it requests
+                elif self.url is not None:
                     await self.publish()
                 elif time.monotonic() - self._last_write >= HEARTBEAT_S:
                     await self.read_directory()

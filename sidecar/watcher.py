@@ -93,6 +93,7 @@ class ServerWatcher:
         self._witness_of = witness  # None: no such signal; the health watcher's checks alone
         self._witness: Witness | None = None
         self._warned_unreadable = False
+        self.up = True  # llama-server answered the health watcher's last check
 
     @property
     def confirmed(self) -> bool:
@@ -198,6 +199,9 @@ class ServerWatcher:
                 up = True
             except LlamaServerError:
                 up = False
+            if up != self.up:
+                log.warning("llama-server %s its health check", "answers" if up else "does not answer")
+            self.up = up
             try:
                 if up and not was_up:
                     log.info("llama-server is back: relearning its slots")

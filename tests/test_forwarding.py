@@ -207,9 +207,10 @@ def node_c(redis_srv: RedisProc, tmp_path_factory: pytest.TempPathFactory) -> It
     try:
         yield node
     finally:
-        if node.sidecar is not None and node.sidecar.proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(node.sidecar.proc.pid, signal.SIGCONT)
+        for proc in (node.sidecar, node.llama.process):  # a test that failed may have left one stopped
+            if proc is not None and proc.proc is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(proc.proc.pid, signal.SIGCONT)
         node.stop()
 
 
@@ -241,6 +242,22 @@ async def test_a_dead_or_hung_peer_leaves_the_request_here(
     def lost() -> float:  # seconds failed forwards cost B so far
         return b.metric("kvtier_route_fallback_seconds_sum")
 
+    # C's llama-server hangs behind its live sidecar: C withdraws from the view once its health
+    # check fails (a 5 s timeout, every 2 s), and B serves C's conversation without trying C.
+    first = await on_c("What does room 15 hold?", "t11")
+    assert node_c.llama.process is not None and node_c.llama.process.proc is not None
+    llama_pid = node_c.llama.process.proc.pid
+    os.kill(llama_pid, signal.SIGSTOP)
+    try:
+        await until(lambda: _async("c" not in peers_of(b) and status_of(r, "c") is None), timeout=15,
+                    what="C withdraws")
+        answer = await post(b.url + "/v1/chat/completions", turn_two(first, "What does room 15 hold?"),
+                            headers={**AUTH, "X-KVTier-Salt": "t11"})
+    finally:
+        os.kill(llama_pid, signal.SIGCONT)
+    assert answer.status == 200 and FORWARDED_TO_HEADER not in answer.headers and answer.restored > 10 * CHUNK
+    assert lost() == 0 and b.metric("kvtier_route_decisions_total", decision="fallback") == 0
+    await until(lambda: _async("c" in peers_of(b)), timeout=15, what="C is back in the view")
     # Hung: C's sidecar stops answering (its socket still accepts); B gives up once C's entry expires.
     first = await on_c("What does room 9 hold?", "t7")
     os.kill(pid, signal.SIGSTOP)
@@ -266,12 +283,12 @@ async def test_a_dead_or_hung_peer_leaves_the_request_here(
 async def test_a_session_turn_is_forwarded_and_its_session_saved_as_if_served_there(
         fleet: tuple[Sidecar, Sidecar, redis.Redis]) -> None:
     a, b, r = fleet
-    session = {**AUTH, "X-KVTier-Salt": "t7", "X-Session-Id": "forwarded-chat"}
-    first = await post(a.url + "/v1/chat/completions", chat([], "What does room 9 hold?"), headers=session)
+    session = {**AUTH, "X-KVTier-Salt": "t9", "X-Session-Id": "forwarded-chat"}
+    first = await post(a.url + "/v1/chat/completions", chat([], "What does room 13 hold?"), headers=session)
     assert first.status == 200
     await until(lambda: _async((s := status_of(r, "a")) is not None and s.busy == 0), what="A idle")
     # Turn 2 reaches B: forwarded to A, whose slot holds the session's history.
-    second_body = turn_two(first, "What does room 9 hold?")
+    second_body = turn_two(first, "What does room 13 hold?")
     second = await post(b.url + "/v1/chat/completions", second_body, headers=session)
     assert second.status == 200 and second.headers.get(FORWARDED_TO_HEADER) == "a"
     assert second.prompt_n < CHUNK
@@ -279,7 +296,7 @@ async def test_a_session_turn_is_forwarded_and_its_session_saved_as_if_served_th
     assert await a.store.flush(30)
     target = b.engine.target
     assert target is not None
-    saved = await b.engine.sessions.load(target.namespace_for("t7"), "forwarded-chat")
+    saved = await b.engine.sessions.load(target.namespace_for("t9"), "forwarded-chat")
     assert saved.node == "a" and saved.n_tokens > second.body["timings"]["cache_n"] + second.prompt_n
     # Turn 3 is served on B (a forwarded copy is never sent on): it restores the session A saved.
     third_body = {**second_body, "messages": [*second_body["messages"],  # type: ignore[list-item]
@@ -291,5 +308,5 @@ async def test_a_session_turn_is_forwarded_and_its_session_saved_as_if_served_th
     assert third.prompt_n < CHUNK
     # Another tenant with the same session id has no such session: nothing restored.
     other = await post(b.url + "/v1/chat/completions", third_body,
-                       headers={**session, "X-KVTier-Salt": "t8", FORWARDED_HEADER: "x"})
+                       headers={**session, "X-KVTier-Salt": "t10", FORWARDED_HEADER: "x"})
     assert other.status == 200 and other.restored == 0
