@@ -758,6 +758,28 @@ def test_network_policy_lets_peers_and_clients_reach_only_the_sidecar_port() -> 
     [source] = peers["from"]
     assert matches(source["podSelector"]["matchLabels"], rendered.pod["metadata"]["labels"])
     assert "from" not in clients, "clients: any source by default"
+    assert policy["spec"]["policyTypes"] == ["Ingress"] and "egress" not in policy["spec"], "egress: off by default"
+
+
+def test_network_policy_egress_reaches_dns_peers_and_redis_only() -> None:
+    values = {"workload": {"replicas": 2}, "networkPolicy": {"enabled": True, "egress": {"enabled": True}}}
+    rendered = render(values)
+    policy = rendered.one("NetworkPolicy", FULLNAME)
+    assert policy["spec"]["policyTypes"] == ["Ingress", "Egress"]
+    dns, peers, redis_rule = policy["spec"]["egress"]
+    assert "to" not in dns and {p["port"] for p in dns["ports"]} == {53}
+    assert matches(peers["to"][0]["podSelector"]["matchLabels"], rendered.pod["metadata"]["labels"])
+    assert peers["ports"] == [{"port": rendered.container("kvtier")["ports"][0]["containerPort"], "protocol": "TCP"}]
+    redis_labels = rendered.redis["spec"]["template"]["metadata"]["labels"]
+    assert matches(redis_rule["to"][0]["podSelector"]["matchLabels"], redis_labels)
+    assert redis_rule["ports"] == [{"port": 6379, "protocol": "TCP"}]
+    external = {"url": "redis://cache.example:6379/0"}
+    rule = {"to": [{"ipBlock": {"cidr": "10.0.12.0/24"}}], "ports": [{"port": 6379, "protocol": "TCP"}]}
+    assert "needs a rule for that Redis" in render_error(
+        {**values, "redis": {"mode": "external", "external": external}})
+    rendered = render({**values, "redis": {"mode": "external", "external": external},
+                       "networkPolicy": {"enabled": True, "egress": {"enabled": True, "to": [rule]}}})
+    assert rendered.one("NetworkPolicy", FULLNAME)["spec"]["egress"][-1] == rule
     only = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "gateway"}}}
     limited = render({**values, "networkPolicy": {"enabled": True, "clients": [only]}})
     assert limited.one("NetworkPolicy", FULLNAME)["spec"]["ingress"][1]["from"] == [only]

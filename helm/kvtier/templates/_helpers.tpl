@@ -219,6 +219,9 @@ very data the Secret holds, also on the first install.
 {{- if and (eq $v.redis.mode "none") (eq (toString $v.kvtier.forwarding.enabled) "true") -}}
 {{- fail "kvtier.forwarding.enabled=true needs Redis (redis.mode bundled or external): the fleet view the sidecars forward by lives there" -}}
 {{- end -}}
+{{- if and $v.networkPolicy.enabled $v.networkPolicy.egress.enabled (eq $v.redis.mode "external") (not $v.networkPolicy.egress.to) -}}
+{{- fail "networkPolicy.egress.enabled with redis.mode=external needs a rule for that Redis in networkPolicy.egress.to (the Pods could not reach it)" -}}
+{{- end -}}
 {{- if and $v.autoscaling.enabled (lt (int $v.autoscaling.maxReplicas) (int $v.autoscaling.minReplicas)) -}}
 {{- fail "autoscaling.maxReplicas must be >= autoscaling.minReplicas" -}}
 {{- end -}}
