@@ -8,7 +8,7 @@ self-described by a small versioned header (little-endian)::
     6   H   flags: bit 0 = V transposed (saved without flash attention), bit 1 = a rest follows
     8   I   n_cells
     12  I   first_pos
-    16  I   n_layer
+    16  I   n_layer (0 only with a rest: a state without KV cache, see below)
     20  I   rest bytes (0 without a rest)
     24  n_layer x 32 bytes: i32 k_type, i32 v_type, u64 k_row_size, u64 v_row_size (V bytes per cell),
         u32 v_el_size, u32 n_embd_v_gqa (0, 0 for rows of a quantized V type)
@@ -21,6 +21,11 @@ state that only describes the sequence's recent past: the window's cells, a recu
 ends with the rest's bytes as llama.cpp wrote them (a cut window padded, ``swa.padded_for_restore``),
 and a restore file built from it ends with them too. Such a tail is the whole state's end: only a
 prompt that continues all of the state can use it, and no chunk alone is ever restored for it.
+
+Recurrent memory alone (Mamba, RWKV: ``SeqState.tail_only``) has no K/V per token to cut: such a
+state is one tail and no chunk. Its payload has no layers (``n_layer`` 0); ``n_cells`` counts the
+positions it covers, all of the state's tokens from 0, and the rest is the whole memory state. A
+restore file built from it is the token section and that memory state, nothing else.
 
 Split and assemble copy whole blocks with numpy slice assignment into preallocated buffers: the
 Python work is per (layer, chunk), never per cell. Assembly converts the V layout when a chunk and
@@ -164,6 +169,10 @@ def read_chunk_header(payload: BytesLike) -> ChunkInfo:
         raise StateFormatError(f"unknown chunk flags {flags:#x}")
     if bool(flags & FLAG_REST) != bool(rest):
         raise StateFormatError("chunk rest flag and rest size disagree")
+    if n_layer == 0 and rest and n_cells and first_pos == 0 and not flags & FLAG_V_TRANS:  # a recurrent state alone: its rest is all of it
+        if _HEAD.size + rest != size:
+            raise StateFormatError(f"chunk payload is {size} bytes, its header describes {_HEAD.size + rest}")
+        return ChunkInfo(n_cells, 0, False, (), _HEAD.size, size, rest)
     if n_layer == 0 or n_layer > (size - _HEAD.size) // _LAYER.size:
         raise StateFormatError(f"chunk layer count {n_layer} does not fit the payload")
     v_trans = bool(flags & FLAG_V_TRANS)
@@ -209,6 +218,8 @@ def split_state(
     reason = state.store_reason
     if reason is not None:
         raise StateFormatError(f"state is not splittable: {reason}")
+    if state.tail_only:
+        return _split_tail_only(state, chunk_tokens, tail)
     rest: BytesLike = b""
     if state.has_rest:
         if state.memory_kind == "kv_pair":
@@ -251,6 +262,23 @@ def chunk_count(n_cells: int, chunk_tokens: int, *, rest: bool = False) -> int:
     """Full chunks a state of ``n_cells`` cells is cut into: with a rest, one cell at least is
     left to the tail, which carries the rest."""
     return (n_cells - 1) // chunk_tokens if rest else n_cells // chunk_tokens
+
+
+def chunks_of(state: SeqState, chunk_tokens: int) -> int:
+    """Full chunks ``split_state`` cuts ``state`` into: none for recurrent memory alone, whose
+    one tail holds every token."""
+    return 0 if state.tail_only else chunk_count(state.n_tokens, chunk_tokens, rest=state.has_rest)
+
+
+def _split_tail_only(state: SeqState, chunk_tokens: int, tail: bool) -> SplitResult:
+    """A recurrent state alone as its one tail: no layers, every token, the memory state as the rest."""
+    payload = None
+    if tail:
+        rest = as_uint8(state.rest)
+        arr, payload = alloc_buffer(_HEAD.size + rest.size)
+        _HEAD.pack_into(payload, 0, CHUNK_MAGIC, CHUNK_VERSION, FLAG_REST, state.n_tokens, 0, 0, rest.size)
+        arr[_HEAD.size:] = rest
+    return SplitResult(state.tokens.tokens, chunk_tokens, 0, 0, [], payload, StateLayout(()), False)
 
 
 def _add_rest(payload: memoryview, rest: BytesLike) -> None:
@@ -390,6 +418,13 @@ def state_pieces(
     if toks.size < n_cells:
         raise ValueError(f"{toks.size} tokens for {n_cells} cells")
     layers = _check_agree(infos)
+    if infos and not layers:  # recurrent memory alone: the token section, then the memory state
+        if len(infos) > 1:
+            raise StateFormatError("a payload without KV layers is a whole state: it cannot follow chunks")
+        head = np.empty(HEADER_BYTES + 4 * n_cells, np.uint8)
+        struct.pack_into("<III", head.data, 0, GGSQ_MAGIC, GGSQ_VERSION, n_cells)
+        head[HEADER_BYTES:].view("<i4")[:] = toks[:n_cells]
+        return [head.data, as_uint8(payloads[0]).data[infos[0].data_offset:]]
     if n_cells == 0:
         empty = np.zeros(HEADER_BYTES + 4 + 4 * n_stream, np.uint8)
         struct.pack_into("<IIII", empty.data, 0, GGSQ_MAGIC, GGSQ_VERSION, 0, n_stream)
@@ -478,6 +513,8 @@ def write_pieces(path: str | os.PathLike[str], pieces: Sequence[BytesLike], *, o
 
 def _restore_size(infos: list[ChunkInfo], n_stream: int) -> int:
     n_cells = sum(i.n_cells for i in infos)
+    if infos and not infos[0].layers:  # recurrent memory alone
+        return HEADER_BYTES + 4 * n_cells + infos[0].rest_nbytes
     if not n_cells:
         return HEADER_BYTES + 4 + 4 * n_stream
     per_cell = sum(la.k_row_size + la.v_row_size for la in infos[0].layers)

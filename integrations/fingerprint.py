@@ -182,6 +182,17 @@ def _describe_recurrent(rec: RecurrentState) -> dict[str, Any]:
     }
 
 
+def _stored_as(state: SeqState) -> str | None:
+    """How kvtier stores the state (``integrations.chunks``), or None when it cannot."""
+    if state.store_reason is not None:
+        return None
+    if state.tail_only:
+        return "one tail: every token, with the recurrent state as its rest (restored whole)"
+    if state.has_rest:
+        return "the first KV cache in prefix chunks, the rest with the tail (restored whole)"
+    return "prefix chunks and a tail"
+
+
 def describe(state: SeqState) -> dict[str, Any]:
     """JSON-ready summary of a parsed state (what ``kvtier state inspect`` prints).
 
@@ -216,6 +227,8 @@ def describe(state: SeqState) -> dict[str, Any]:
         "bytes_per_token": layout.bytes_per_token if layout else None,
         "splittable": state.splittable,
         "split_reason": state.split_reason,
+        "stored_as": _stored_as(state),
+        "store_reason": state.store_reason,
         "opaque_reason": state.opaque_reason,
         "caches": [_describe_cache(c) for c in state.caches],
         "recurrent": _describe_recurrent(state.recurrent) if state.recurrent is not None else None,
@@ -287,6 +300,7 @@ def _table(file: str, info: dict[str, Any]) -> list[tuple[str, str]]:
     rows += [
         ("bytes/token", str(info["bytes_per_token"] or "-")),
         ("splittable", "yes" if info["splittable"] else f"no: {info['split_reason']}"),
+        ("kvtier stores", info["stored_as"] or f"nothing: {info['store_reason']}"),
     ]
     return rows
 

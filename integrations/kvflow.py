@@ -51,7 +51,7 @@ from tiers.pending import PendingMark, PendingSaves
 from tiers.sessions import Manifest, SessionError, SessionStore
 from tiers.store import Announce, FetchResult, LookupResult, StoreResult, TailHit, TieredStore
 
-from .chunks import chunk_count, first_cells, read_chunk_header, split_state
+from .chunks import chunks_of, first_cells, read_chunk_header, split_state
 from .statefile import SeqState
 
 log = logging.getLogger("kvtier.flow")
@@ -240,16 +240,23 @@ class PrefixFetched:
 
 
 async def find_prefix(store: TieredStore, namespace: Namespace, tokens: np.ndarray, *,
-                      n_ctx: int = 0, whole: bool = False) -> PrefixFound:
+                      n_ctx: int = 0, whole: bool = False, tail_only: bool = False) -> PrefixFound:
     """The longest prefix of ``tokens`` the tiers hold, within ``restorable_tokens``.
 
     ``whole``: the namespace's states have a rest (sliding-window, hybrid memory), so only a
     stored state's end, its tail, makes a prefix usable: when none follows the last chunk found
     (another conversation stored more chunks of the same start), the tails after the chunks before
     it are looked up, from the longest prefix down.
+
+    ``tail_only``: the namespace's states are recurrent memory alone, each stored as one tail of
+    every token (``SeqState.tail_only``): the longest such tail ``tokens`` starts with. One
+    existence check per candidate length, in one call per tier.
     """
     C = namespace.chunk_tokens
     limit = restorable_tokens(int(tokens.size), n_ctx)
+    if tail_only:
+        tail = await store.lookup_tail(namespace, namespace.digest, tokens[:limit])
+        return PrefixFound(LookupResult(0, [], []), tail, True)
     chain = prefix_chain(namespace, tokens, limit // C)
     found = await store.lookup_chain(namespace, chain) if chain else LookupResult(0, [], [])
     for n in range(found.n_chunks, -1 if whole else found.n_chunks - 1, -1):
@@ -445,7 +452,7 @@ async def store_state(store: TieredStore, namespace: Namespace, state: SeqState,
     """
     C = namespace.chunk_tokens
     tokens = state.tokens.tokens
-    chain = prefix_chain(namespace, tokens, chunk_count(int(tokens.size), C, rest=state.has_rest))
+    chain = prefix_chain(namespace, tokens, chunks_of(state, C))
     announce = announcer(events, namespace)
     lazy = LazyChunks(state, C)
     chunks = await store.store(namespace, chain, lazy, announce=announce) if chain else None

@@ -289,9 +289,16 @@ class SeqState:
 
     @property
     def has_rest(self) -> bool:
-        """Sliding-window or hybrid memory: a KV cache with every cell, then state that holds only
-        the sequence's recent past (a window's cells, a recurrent state), the *rest*."""
-        return self.memory_kind in ("kv_pair", "hybrid") and bool(self.caches)
+        """Sliding-window, hybrid or recurrent memory: state that holds only the sequence's recent
+        past (a window's cells, a recurrent state), the *rest*, after a KV cache with every cell or,
+        for recurrent memory (``tail_only``), alone."""
+        return (self.memory_kind in ("kv_pair", "hybrid") and bool(self.caches)) or self.tail_only
+
+    @property
+    def tail_only(self) -> bool:
+        """Recurrent memory alone (Mamba, RWKV): no K/V per token, so no prefix chunk; the whole
+        memory state is the rest, stored as one tail that holds every token."""
+        return self.memory_kind == "recurrent" and self.recurrent is not None
 
     @property
     def first_cache(self) -> SeqState:
@@ -302,9 +309,12 @@ class SeqState:
     def store_reason(self) -> str | None:
         """Why kvtier cannot store this state as prefix chunks, or None when it can: a plain KV
         cache is cut whole (``split_reason``); with a rest (``has_rest``) the first cache is cut
-        and its tail carries the rest, so only a prompt that continues the whole state restores it."""
+        and its tail carries the rest, so only a prompt that continues the whole state restores it;
+        recurrent memory alone (``tail_only``) is one tail."""
         if not self.has_rest:
             return self.split_reason
+        if self.tail_only:
+            return self._tail_only_reason()
         reason = self.first_cache.split_reason
         if reason is not None:
             return f"first KV cache: {reason}"
@@ -318,8 +328,29 @@ class SeqState:
 
     @property
     def rest(self) -> memoryview:
-        """The memory state's bytes after its first KV cache (empty without a rest)."""
+        """The memory state's bytes after its first KV cache (all of them for recurrent memory
+        alone, none without a rest)."""
+        if self.tail_only:
+            return self.memory
         return self.memory[cache_nbytes(self.caches[0]):] if self.has_rest else self.memory[:0]
+
+    def _tail_only_reason(self) -> str | None:
+        """Why a recurrent state cannot be stored as one tail: llama.cpp restores one sequence's
+        state from one cell without sequence ids (``llama_memory_recurrent::state_read_meta``), and
+        it must be as of the last token the file names."""
+        rec = self.recurrent
+        assert rec is not None
+        if self.tokens.has_media:
+            return "token section holds media"
+        if not self.n_tokens:
+            return "no tokens"
+        if int(self.tokens.tokens.min()) < 0:
+            return "token section holds null tokens"
+        if rec.n_cells != 1 or int(rec.n_seq_id[0]) != 0:
+            return f"recurrent state of {rec.n_cells} cells (a one-sequence save has one, without sequence ids)"
+        if int(rec.pos[0]) != self.n_tokens - 1:
+            return f"the recurrent state is as of position {int(rec.pos[0])}, the tokens end at {self.n_tokens - 1}"
+        return None
 
 
 def _recurrent_reason(rec: RecurrentState, n_caches: int) -> str:

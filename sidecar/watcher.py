@@ -27,7 +27,7 @@ import numpy as np
 
 from integrations.fingerprint import layout_fingerprint, model_identity
 from integrations.llama_server import LlamaServerClient, LlamaServerError
-from integrations.statefile import SeqState, StateLayout
+from integrations.statefile import LayerLayout, SeqState, StateLayout
 from tiers.errors import KVTierError
 from tiers.keys import Namespace
 
@@ -63,12 +63,16 @@ class Target:
     bytes_per_token: int
     n_ctx_slot: int
     # "kv": one KV cache; "kv_pair" (sliding window), "hybrid" (recurrent): a KV cache then a rest,
-    # restored only whole (integrations.chunks)
+    # restored only whole (integrations.chunks); "recurrent": a rest alone, one tail per state
     memory_kind: str = "kv"
 
     @property
     def whole(self) -> bool:
         return self.memory_kind != "kv"
+
+    @property
+    def tail_only(self) -> bool:
+        return self.memory_kind == "recurrent"
 
     def namespace_for(self, salt: str) -> Namespace:
         """The namespace of a tenant (its salt), or the server's own for none."""
@@ -154,9 +158,12 @@ class ServerWatcher:
             layout_state = await self.files.save(0, "probe")
             await self.client.erase_slot(0)
         layout = _kv_layout(layout_state)
-        if layout is None or layout_state.v_trans is None:
+        v_trans = layout_state.v_trans if not layout_state.tail_only else False  # no V to lay out
+        if layout is None or v_trans is None:
             raise LlamaServerError("could not learn the KV layout from a saved slot")
         memory = layout_state.memory_kind if layout_state.has_rest else "kv"
+        # Recurrent memory alone holds no bytes per token: its restores read one fixed-size state.
+        bytes_per_token = 0 if layout_state.tail_only else layout.bytes_per_token
         _restarted_since(table, await self.client.slots())  # records each slot's last task id
         # A state with a rest is another format than a plain cache of the same layers: its own namespace.
         identity = model_id if memory == "kv" else f"{model_id}|memory={memory}"
@@ -164,13 +171,12 @@ class ServerWatcher:
         n_ctx = int(props.get("default_generation_settings", {}).get("n_ctx") or 0)
         await self.prompts.setup(props, self.settings.model or model_path)
         # No await from here on: a request that finds the target set must find the new slot table.
-        self.target = Target(n_slots, n_stream or 1, bool(layout_state.v_trans), model_id, ns,
-                             layout.bytes_per_token, n_ctx, memory)
+        self.target = Target(n_slots, n_stream or 1, v_trans, model_id, ns, bytes_per_token, n_ctx, memory)
         self._signature = _signature(props)
         self.slots = table
         self.epoch += 1
         log.info("llama-server: %d slots, n_stream %d, v_trans %s, %d bytes/token, memory %s, namespace %s",
-                 n_slots, self.target.n_stream, self.target.v_trans, layout.bytes_per_token,
+                 n_slots, self.target.n_stream, self.target.v_trans, bytes_per_token,
                  _MEMORY_NAMES.get(memory, memory), ns.id)
 
     def _model_id(self, model_path: str, props: Mapping[str, Any]) -> str:
@@ -296,11 +302,18 @@ class ServerWatcher:
 
 
 _MEMORY_NAMES = {"kv": "one KV cache", "kv_pair": "KV cache + sliding window (restored whole)",
-                 "hybrid": "KV cache + recurrent state (restored whole)"}
+                 "hybrid": "KV cache + recurrent state (restored whole)",
+                 "recurrent": "recurrent state alone (restored whole, one tail per state)"}
 
 
 def _kv_layout(state: SeqState) -> StateLayout | None:
-    """The layout of the KV cache prefix chunks hold: the first cache's, for a state with a rest."""
+    """The layout of the KV cache prefix chunks hold: the first cache's, for a state with a rest.
+    For recurrent memory alone, what its one tail's bytes depend on instead: each recurrent
+    layer's R (in the K fields) and S (in the V fields) type and row size."""
+    if state.tail_only:
+        assert state.recurrent is not None
+        return StateLayout(tuple(LayerLayout(la.r_type, la.r_row_size, la.s_type, la.s_row_size)
+                                 for la in state.recurrent.layers))
     return state.first_cache.layout if state.has_rest else state.layout
 
 

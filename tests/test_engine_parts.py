@@ -24,7 +24,7 @@ from sidecar.planner import WASTED_LIMIT, RestorePlanner
 from sidecar.prompts import Prompt
 from sidecar.slots import SlotTable
 from sidecar.watcher import Target
-from tests.test_statefile import logical, ref_file
+from tests.test_statefile import logical, ref_file, ref_recurrent
 from tiers.codec import BlobCodec
 from tiers.keys import Namespace, prefix_chain, tail_hash_after, tail_key
 from tiers.memory import MemoryTier
@@ -68,6 +68,38 @@ async def test_a_stored_state_is_found_and_fetched_whole_with_its_tail() -> None
     # cells (a prefix reference), not the whole tail.
     found_same = await kvflow.find_prefix(store, NS, np.asarray(lg.tokens, np.int32))
     assert found_same.n_tokens == 128 + kvflow.REF_STEP
+
+
+async def test_a_recurrent_state_is_one_tail_found_only_by_prompts_that_continue_it() -> None:
+    """Recurrent memory alone (mamba2): one tail of all 300 tokens (over four chunks' worth), no
+    chunk; found only with ``tail_only`` by a prompt that continues every saved token, restored
+    as the saved file; the next turn's state replaces it. As a session, too."""
+    store = memory_store()
+    lg = logical(300, seed=5)
+    raw = ref_file(lg, memory=ref_recurrent(299))
+    stored = await kvflow.store_state(store, NS, parse_state(raw))
+    assert stored.chunks is None and stored.tail_stored and stored.tail is not None and stored.tail.end == 300
+    tokens = np.asarray(lg.tokens + [7, 8, 9], np.int32)
+    found = await kvflow.find_prefix(store, NS, tokens, whole=True, tail_only=True)
+    assert found.chunks.n_chunks == 0 and found.tail is not None and found.n_tokens == 300
+    got = await kvflow.fetch_prefix(store, NS, found)
+    assert got.n_tokens == 300 and bytes(assemble_state(got.payloads, tokens, v_trans=False)) == raw
+    # A prompt that leaves saved tokens out, or only repeats them, finds nothing to restore.
+    for short in (tokens[:250], tokens[:300]):
+        assert (await kvflow.find_prefix(store, NS, short, whole=True, tail_only=True)).n_tokens == 0
+    # The next turn's state: its tail continues this one, which is deleted.
+    lg2 = logical(310, seed=5)
+    lg2.tokens = lg.tokens + [7, 8, 9] + lg2.tokens[303:]
+    nxt = await kvflow.store_state(store, NS, parse_state(ref_file(lg2, memory=ref_recurrent(309, seed=1))),
+                                   previous=stored.tail, previous_tokens=np.asarray(lg.tokens, np.int32))
+    assert nxt.tail_deleted and await store.tiers[0].contains_many([stored.tail.key]) == [False]
+    found = await kvflow.find_prefix(store, NS, np.asarray(lg2.tokens + [1], np.int32), whole=True, tail_only=True)
+    assert found.n_tokens == 310
+    sessions = SessionStore(store, check=kvflow.content_mismatch)
+    manifest = await kvflow.save_session(sessions, NS, "mamba", parse_state(raw), node="a")
+    assert (manifest.chunks, manifest.tail_tokens) == (0, 300)
+    payloads, _ = await sessions.fetch(NS, manifest)
+    assert bytes(assemble_state(payloads, manifest.tokens, v_trans=False)) == raw
 
 
 async def test_a_tail_after_a_missing_chunk_is_not_restored() -> None:

@@ -1,4 +1,4 @@
-"""Every memory type hops between nodes through kvtier: sliding-window and hybrid models.
+"""Every memory type hops between nodes through kvtier: sliding-window, hybrid and recurrent models.
 
 A conversation is answered on node A, then continued on node B and back on A, each node's
 llama-server restarted just before its turn (a rolling update; the sidecars keep running). Each
@@ -11,6 +11,8 @@ restore (same flags, threads and batch sizes, the same restored/computed boundar
   tail, restored only whole.
 - A generated lfm2 (hybrid: attention + short convolutions): the attention cache in chunks, the
   recurrent state with the tail.
+- A generated mamba2 (recurrent memory alone): no chunk, one tail of every token whose rest is
+  the recurrent state.
 
 Real llama-servers, a real Valkey, in-process sidecars.
 """
@@ -158,11 +160,17 @@ async def _token_hops(tmp: Path, model: str, redis_url: str,
     return hops, [answers, reference]
 
 
+RECURRENT = {"lfm2": ModelShape(attn_layers=(1, 3), conv_kernel=4),  # hybrid: layers 0, 2 short convolutions
+             "mamba2": ModelShape(conv_kernel=4, ssm_state=16)}  # recurrent memory alone
+
+
 @pytest.mark.parametrize("session", [None, "agent-1"], ids=["prefix", "session"])
-async def test_a_hybrid_model_hops_nodes(redis_srv: RedisProc, tmp_path: Path, session: str | None) -> None:
-    """Automatic prefix restores, and with ``X-Session-Id`` the session saved after each turn."""
-    model = str(write_random_model(tmp_path / "lfm2.gguf", smollm2_path(), ModelShape(attn_layers=(1, 3), conv_kernel=4),
-                                   arch="lfm2", seed=11))
+@pytest.mark.parametrize("arch", list(RECURRENT))
+async def test_a_model_with_recurrent_memory_hops_nodes(redis_srv: RedisProc, tmp_path: Path, arch: str,
+                                                       session: str | None) -> None:
+    """Hybrid (lfm2) and recurrent-only (mamba2) memory: automatic prefix restores, and with
+    ``X-Session-Id`` the session saved after each turn."""
+    model = str(write_random_model(tmp_path / f"{arch}.gguf", smollm2_path(), RECURRENT[arch], arch=arch, seed=11))
     with redis.Redis.from_url(redis_srv.url) as r:
         r.flushall()
     hops, (answers, reference) = await _token_hops(tmp_path, model, redis_srv.url,

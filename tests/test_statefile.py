@@ -242,6 +242,50 @@ def test_two_kv_caches_are_cut_with_the_window_in_the_tail() -> None:
     assert st.store_reason == "the sliding window is not full yet"
 
 
+def ref_recurrent(pos: int | None, *, n_layer: int = 3, r_row: int = 24, s_row: int = 40, seed: int = 0) -> bytes:
+    """A recurrent memory state (``llama_memory_recurrent``) of one cell at ``pos`` (None: empty)."""
+    rng = np.random.default_rng(seed)
+    n = 0 if pos is None else 1
+    out = struct.pack("<I", n) + (struct.pack("<iI", pos, 0) if pos is not None else b"")
+    out += struct.pack("<II", 0, n_layer)
+    for row in [r_row] * n_layer + [s_row] * n_layer:
+        out += struct.pack("<iQ", F32, row) + rng.integers(0, 256, n * row, dtype=np.uint8).tobytes()
+    return out
+
+
+def test_recurrent_memory_alone_is_one_tail() -> None:
+    """Recurrent memory alone has no K/V per token: no chunk, one tail of every token whose rest
+    is the whole memory state; a restore file built from it is the saved file, byte for byte."""
+    lg = logical(150, seed=4)
+    raw = ref_file(lg, memory=ref_recurrent(149))
+    st = parse_state(raw)
+    assert st.memory_kind == "recurrent" and st.tail_only and st.has_rest
+    assert st.split_reason is not None and st.store_reason is None and bytes(st.rest) == raw[12 + 4 * 150:]
+    split = split_state(st, 64, tail=True, first_chunk=1)
+    assert split.n_chunks == 0 and split.chunks == [] and split.tail is not None and split.tail_tokens == 150
+    info = read_chunk_header(split.tail)
+    assert (info.n_cells, info.first_pos, info.n_layer, info.rest_nbytes) == (150, 0, 0, st.memory.nbytes)
+    assert split_state(st, 64).tail is None
+    with pytest.raises(StateFormatError, match="rest"):
+        first_cells(split.tail, 16)  # never a prefix reference into it
+    assert restore_size([split.tail]) == len(raw)
+    assert bytes(assemble_state([split.tail], st.tokens.tokens, v_trans=True, n_stream=4)) == raw
+    chunk = split_state(ref_file(logical(64, seed=4)), 64).chunks[0]
+    with pytest.raises(StateFormatError):
+        assemble_state([chunk, split.tail], lg.tokens * 2, v_trans=False)  # a whole state follows no chunk
+    # A layer-less payload must be such a tail: from position 0, with a rest, its size exact.
+    for bad in (struct.pack("<4sHHIIII", b"KVSC", 1, 2, 150, 64, 0, 8) + bytes(8),
+                struct.pack("<4sHHIIII", b"KVSC", 1, 0, 150, 0, 0, 0),
+                bytes(split.tail) + b"\0"):
+        with pytest.raises(StateFormatError):
+            read_chunk_header(bad)
+    # What llama.cpp could not restore, or would restore as another sequence's state, is not stored.
+    for memory, why in ((ref_recurrent(148), "as of position 148"), (ref_recurrent(None), "0 cells")):
+        assert why in (parse_state(ref_file(lg, memory=memory)).store_reason or "")
+    with pytest.raises(StateFormatError, match="not splittable"):
+        split_state(ref_file(lg, memory=ref_recurrent(None)), 64)
+
+
 @pytest.mark.parametrize("what", ["gap", "order", "two-seqs", "tokens", "media", "two-streams", "null-token"])
 def test_not_splittable_states(what: str) -> None:
     lg = logical(10)

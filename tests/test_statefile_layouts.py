@@ -12,6 +12,7 @@ Layouts the parser does not know, built from these real parts, must stay opaque.
 from __future__ import annotations
 
 import json
+import re
 import struct
 import urllib.request
 from collections.abc import Iterator
@@ -161,6 +162,9 @@ def test_inspect_names_each_part(saved: Saved, tmp_path: Path, capsys: pytest.Ca
     assert info["memory_kind"] == KIND[saved.arch] and info["n_tokens"] == saved.n_tokens
     assert len(info["caches"]) == {"llama": 1, "gemma3": 2, "lfm2": 1, "mamba2": 0}[saved.arch]
     assert (info["recurrent"] is not None) == (saved.arch in ("lfm2", "mamba2"))
+    stored_as = {"llama": "prefix chunks", "gemma3": "the first KV cache", "lfm2": "the first KV cache",
+                 "mamba2": "one tail: every token"}[saved.arch]
+    assert info["store_reason"] is None and info["stored_as"].startswith(stored_as)
     assert inspect_main([str(path)]) == 0
     table = capsys.readouterr().out
     n = saved.n_tokens
@@ -173,6 +177,7 @@ def test_inspect_names_each_part(saved: Saved, tmp_path: Path, capsys: pytest.Ca
         assert f"positions [{n - 1}]" in table and "R (conv) rows" in table and "S (SSM) rows" in table
         assert "recurrent layers" in table and "f32" in table
     assert "splittable" in table and ("no: " in table) == (saved.arch != "llama")
+    assert re.search(rf"^kvtier stores +{stored_as}", table, re.MULTILINE), table
 
 
 # -- damage ---------------------------------------------------------------------------------------
