@@ -40,7 +40,7 @@ from .common import (
     wait_idle,
 )
 
-LOOP_MODES = {"alone": None, "kvtier-no-wait": ["--save-wait", "0"], "kvtier": []}
+LOOP_MODES = {"alone": None, "kvtier-no-wait": ["--save-wait", "0"], "kvtier": [], "kvtier-forward": ["--forward"]}
 QUESTIONS = ["Summarise the first record.", "Which depot is named most?", "List two months that appear.",
              "What did the audit team do?", "Name one object and its count.", "Which record is the last one?",
              "What happened on day 3?", "Give one verb used twice."]
@@ -53,7 +53,7 @@ def document(n_tokens: int, seed: int) -> str:
 
 def _hop(reply: Reply, turn: int, node: int, **extra: Any) -> dict[str, Any]:
     return {"turn": turn, "node": node, "prompt_tokens": reply.prompt_tokens, "recomputed": reply.recomputed_tokens,
-            "restored": reply.restored_tokens, "ttft_ms": reply.ttft_ms, **extra}
+            "restored": reply.restored_tokens, "ttft_ms": reply.ttft_ms, "forwarded_to": reply.node, **extra}
 
 
 async def scenario_agent_loop(redis_url: str, histories: Sequence[int], turns: int, threads: int, max_tokens: int,
@@ -68,7 +68,8 @@ async def scenario_agent_loop(redis_url: str, histories: Sequence[int], turns: i
         await redis_flush(redis_url)
         hops: list[dict[str, Any]] = []
         with cluster(3, base_llama_args(ctx, threads, extra=["-np", "2"]), sidecar=sidecar,
-                     redis_url=redis_url if sidecar else None, sidecar_args=flags or []) as cl:
+                     redis_url=redis_url if sidecar else None, sidecar_args=flags or [],
+                     advertise="--forward" in (flags or [])) as cl:
             async with client_session() as s:
                 for h, history in enumerate(histories):
                     messages = [{"role": "system", "content": "Answer from these records. " + document(history, 40 + h)}]
@@ -86,6 +87,8 @@ async def scenario_agent_loop(redis_url: str, histories: Sequence[int], turns: i
                     out.setdefault("waits", {})[mode] = {
                         outcome: sum(delta(x, {}, "kvtier_save_waits_total", outcome=outcome) for x in samples)
                         for outcome in ("landed", "failed", "timeout", "skipped")}
+                    out.setdefault("forwarded", {})[mode] = sum(
+                        delta(x, {}, "kvtier_route_decisions_total", decision="forwarded") for x in samples)
         out["modes"][mode] = hops
     out["table"] = _loop_table(out)
     return out
@@ -186,8 +189,10 @@ One conversation per history length over a long document, {loop['turns']} turns,
 last answer ended, round robin over {loop['nodes']} nodes (`-np 2`): each turn reaches a node while the node
 before it is still saving the last one. *kvtier-no-wait* is kvtier without pending-save marks
 (`--save-wait 0`): it restores what the tiers hold when the turn arrives. kvtier waits for the save in
-flight when waiting beats recomputing (bounded by `--save-wait`, 2 s). Hops are turns 2 and later; turn 1
-is the first prefill everywhere.
+flight when waiting beats recomputing (bounded by `--save-wait`, 2 s), and not at all when the saving
+node expects its save to land later than that. *kvtier-forward* adds `--forward`: a turn may be sent on
+to the node whose slot holds the conversation hot (shown as `→ node`). Hops are turns 2 and later;
+turn 1 is the first prefill everywhere.
 
 """)
         parts.append(md_table(
@@ -199,7 +204,9 @@ is the first prefill everywhere.
         waits = loop.get("waits", {})
         if waits:
             parts.append("\n\nWaits for a save in flight (all nodes): " + "; ".join(
-                f"{mode}: " + ", ".join(f"{k} {v:.0f}" for k, v in w.items()) for mode, w in waits.items()) + ".\n")
+                f"{mode}: " + ", ".join(f"{k} {v:.0f}" for k, v in w.items()) for mode, w in waits.items()) + ".")
+            parts.append(" Forwarded: " + "; ".join(f"{mode} {n:.0f}" for mode, n in loop.get("forwarded", {}).items())
+                         + ".\n")
         parts.append("\nPer hop (recomputed / restored tokens, TTFT ms):\n\n")
         modes = list(loop["modes"])
         hops = loop["modes"][modes[0]]
@@ -244,4 +251,5 @@ fresh prompts ({sr['reps']} each). *save* is the part before the Redis write (`k
 
 
 def _cell(hop: dict[str, Any]) -> str:
-    return f"{hop['recomputed']:,} / {hop['restored']:,}, {hop['ttft_ms']:,.0f}"
+    where = f" → {hop['forwarded_to']}" if hop.get("forwarded_to") else ""
+    return f"{hop['recomputed']:,} / {hop['restored']:,}, {hop['ttft_ms']:,.0f}{where}"

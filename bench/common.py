@@ -151,7 +151,7 @@ class Reply:
     cache_n: int = 0
     predicted_n: int = 0
     prompt_ms: float = 0.0
-    node: str = ""
+    node: str = ""  # the node a request was forwarded to and served on (X-KVTier-Forwarded-To), if any
 
     @property
     def tokens_per_s(self) -> float:
@@ -209,6 +209,7 @@ async def stream(session: aiohttp.ClientSession, url: str, body: dict[str, Any],
         cache_n=cache_n,
         predicted_n=int(timings.get("predicted_n", 0)),
         prompt_ms=float(timings.get("prompt_ms", 0.0)),
+        node=h.get("X-KVTier-Forwarded-To", ""),
     )
 
 
