@@ -3,8 +3,9 @@
 Per model and flags: 2 nodes, a ~2k-token conversation answered on A, continued on B, then on A
 again, each node's llama-server restarted just before its turn (a rolling update). llama-server
 alone recomputes the history on every hop; kvtier restores it. Models: SmolLM2 (one KV cache),
-Gemma 3 270M on default flags and with ``--swa-full`` (a KV cache and a sliding window), and a
-generated lfm2 (a KV cache and a recurrent state: random weights, so token-id prompts).
+Gemma 3 270M on default flags and with ``--swa-full`` (a KV cache and a sliding window), a
+generated lfm2 (a KV cache and a recurrent state) and a generated mamba2 (a recurrent state alone;
+both random weights, so token-id prompts).
 """
 
 from __future__ import annotations
@@ -38,10 +39,14 @@ async def scenario_memory_types(redis_url: str, history: int, threads: int, max_
     with tempfile.TemporaryDirectory(prefix="kvtier-bench-models-") as tmp:
         lfm2 = str(write_random_model(Path(tmp) / "lfm2.gguf", smollm2_path(), ModelShape(attn_layers=(1, 3)),
                                       arch="lfm2", seed=11))
+        mamba2 = str(write_random_model(Path(tmp) / "mamba2.gguf", smollm2_path(),
+                                        ModelShape(conv_kernel=4, ssm_state=16), arch="mamba2", seed=11))
+        generated = (lfm2, mamba2)
         models = [("SmolLM2-135M", "one KV cache", smollm2_path(), ()),
                   ("Gemma 3 270M", "KV cache + sliding window", gemma3_path(), ()),
                   ("Gemma 3 270M --swa-full", "KV cache + sliding window", gemma3_path(), ("--swa-full",)),
-                  ("lfm2 (generated)", "KV cache + recurrent state", lfm2, ())]
+                  ("lfm2 (generated)", "KV cache + recurrent state", lfm2, ()),
+                  ("mamba2 (generated)", "recurrent state alone", mamba2, ())]
         task = prog.add_task("memory types", total=2 * len(models)) if prog else None
         rows = []
         for name, memory, model, flags in models:
@@ -50,7 +55,7 @@ async def scenario_memory_types(redis_url: str, history: int, threads: int, max_
                 if prog and task is not None:
                     prog.update(task, description=f"memory types: {name}, {mode}")
                 row[mode] = await _hops(redis_url, model, flags, mode == "kvtier", history, threads, max_tokens,
-                                        tokens=model == lfm2)
+                                        tokens=model in generated)
                 if prog and task is not None:
                     prog.advance(task)
             rows.append(row)
@@ -97,9 +102,10 @@ def md_memory_types(mt: dict[str, Any], md_table: Any) -> str:
 A {mt['history']:,}-token conversation answered on node A, continued on B, then on A again, each node's
 llama-server restarted just before its turn (a rolling update; kvtier's sidecars keep running). A
 sliding-window or hybrid state is restored whole: its first KV cache from prefix chunks, its window
-(two masked cells longer on default flags) or recurrent state from the tail. Hops are turns 2 and 3.
-The generated lfm2 gets token ids (random weights) and is timed per request (answers of
-{mt.get('max_tokens', 16)} tokens), not to its first token; its "restored" is llama-server's `cache_n`.
+(two masked cells longer on default flags) or recurrent state from the tail; a recurrent state alone
+(mamba2) is one tail. Hops are turns 2 and 3. The generated lfm2 and mamba2 get token ids (random
+weights) and are timed per request (answers of {mt.get('max_tokens', 16)} tokens), not to their first
+token; their "restored" is llama-server's `cache_n`.
 
 """]
     rows = []
