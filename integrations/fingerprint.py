@@ -123,6 +123,12 @@ def layout_of(source: SeqState | StateLayout | ChunkInfo | bytes | bytearray | m
     return read_chunk_header(source).layout
 
 
+def memory_identity(model_id: str, memory_kind: str) -> str:
+    """The model identity a namespace is keyed by: a state with a rest (``kv_pair``, ``hybrid``)
+    is another format than a plain cache of the same layers, so it gets its own namespace."""
+    return model_id if memory_kind == "kv" else f"{model_id}|memory={memory_kind}"
+
+
 def layout_fingerprint(
     model_id: str, state_or_layout: SeqState | StateLayout | ChunkInfo | bytes | bytearray | memoryview
 ) -> str:

@@ -19,6 +19,15 @@ only the chunks no tier holds yet. For explicit control (your own ``generate`` l
 ``restore``/``save`` and ``restore_session``/``save_session`` work per sequence
 (``llama_state_seq_set_data``) and set the ``Llama`` object's token bookkeeping themselves.
 
+Sliding-window (Gemma 3) and hybrid (LFM2) models store as on the sidecar: the first KV cache in
+prefix chunks, the rest (the window, the recurrent state) in the tail, in a namespace of their own,
+so a lookup restores a stored state whole or not at all. Two things differ from llama-server:
+``Llama.load_state`` reads a whole-context state, whose recurrent cells must name their sequence
+(``whole_state_bytes``), and ``Llama.generate`` reuses any common prefix without checking the
+memory's lowest position, so after restoring a sliding window the cache empties the context
+before a prompt that would reuse less of it than the window allows (``_note_restore``). The
+padding kvtier adds below a cut window is not needed here, and harmless (masked).
+
 Every cache step is best-effort: a miss, a damaged or foreign chunk, an unreachable Redis or an
 error only means the prompt is evaluated as without a cache. Nothing read from a store is unpickled:
 values are checked blobs (``tiers.codec``), their payloads raw KV rows.
@@ -55,7 +64,7 @@ from tiers.store import StoreResult, TieredStore
 
 from . import kvflow
 from .chunks import assemble_state
-from .fingerprint import layout_fingerprint, model_identity
+from .fingerprint import layout_fingerprint, memory_identity, model_identity
 from .llama_cpp_state import (
     ContextInfo,
     context_tokens,
@@ -302,9 +311,14 @@ class KVTierCache(BaseLlamaCache):
         save_wait: the longest a lookup waits for another node's save in flight that holds more
             of the prompt than the tiers do (the sidecar's ``--save-wait``; 0: never wait).
 
+    Sliding-window and hybrid models are served too (see the module doc); after restoring a
+    sliding window, a prompt that leaves it early is computed from the start only when this cache
+    is set on the ``Llama`` (``llm.set_cache``): it is the cache's lookup that notices.
+
     Raises:
-        ConfigError: the model's memory cannot be cut into prefix chunks (sliding-window, recurrent
-            or hybrid memory, M-RoPE cells).
+        ConfigError: the model's memory cannot be cut into prefix chunks (M-RoPE or PLE cells).
+        StateFormatError: its memory is none kvtier can read a KV layout from (recurrent alone,
+            opaque).
     """
 
     def __init__(
@@ -331,7 +345,8 @@ class KVTierCache(BaseLlamaCache):
         self.info: ContextInfo = probe_context(llm)
         if self.info.split_reason is not None:
             raise ConfigError(f"KVTierCache needs a KV cache it can cut into prefix chunks: {self.info.split_reason}")
-        identity = "id:" + model_id if model_id else model_identity(llm.model_path)
+        identity = memory_identity("id:" + model_id if model_id else model_identity(llm.model_path),
+                                   self.info.memory_kind)
         self.namespace = Namespace(layout_fingerprint(identity, self.info.layout), _lora_salt(llm, salt), chunk_tokens)
         self.timeout = timeout
         self._owns_store = store is None
@@ -345,6 +360,7 @@ class KVTierCache(BaseLlamaCache):
         self._warned: set[str] = set()
         self._tail: kvflow.TailRecord | None = None  # the partial tail this context stored or restored last
         self._held = np.zeros(0, np.int32)  # what the context held at the last save (for that tail)
+        self._rewind_floor = 0  # the lowest position Llama.generate may rewind to (see _note_restore)
 
     def __repr__(self) -> str:
         return (f"KVTierCache(namespace={self.namespace.id}, chunk_tokens={self.namespace.chunk_tokens}, "
@@ -377,6 +393,7 @@ class KVTierCache(BaseLlamaCache):
         """
         self.counters.lookups += 1
         tokens = as_token_array(key)
+        self._drop_if_rewound(tokens)
         try:
             fetched = self._fetch_prefix(tokens, common_prefix(context_tokens(self.llm), tokens))
             if fetched is None:
@@ -477,8 +494,8 @@ class KVTierCache(BaseLlamaCache):
     # -- internals ------------------------------------------------------------------------------
 
     def _find(self, tokens: np.ndarray) -> kvflow.PrefixFound:
-        return self.store.call(kvflow.find_prefix(self.store.store, self.namespace, tokens, n_ctx=self.info.n_ctx),
-                               self.timeout)
+        return self.store.call(kvflow.find_prefix(self.store.store, self.namespace, tokens, n_ctx=self.info.n_ctx,
+                                                  whole=self.info.has_rest), self.timeout)
 
     def _fetch_prefix(self, tokens: np.ndarray, have: int) -> kvflow.PrefixFetched | None:
         """Verified payloads of the longest stored prefix of ``tokens`` (chunks and a partial tail)
@@ -486,12 +503,13 @@ class KVTierCache(BaseLlamaCache):
         if kvflow.restorable_tokens(int(tokens.size), self.info.n_ctx) <= have:
             return None
         store, ns, n_ctx, pending = self.store.store, self.namespace, self.info.n_ctx, self.store.pending
+        whole = self.info.has_rest
 
         async def lookup_and_fetch() -> kvflow.PrefixFetched | None:
-            found = await kvflow.find_prefix(store, ns, tokens, n_ctx=n_ctx)
+            found = await kvflow.find_prefix(store, ns, tokens, n_ctx=n_ctx, whole=whole)
             if pending is not None and self.save_wait > 0 and await kvflow.wait_for_pending(
                     pending, ns, tokens, found, max(found.n_tokens, have), lambda _: self.save_wait, n_ctx=n_ctx):
-                found = await kvflow.find_prefix(store, ns, tokens, n_ctx=n_ctx)  # after a save in flight
+                found = await kvflow.find_prefix(store, ns, tokens, n_ctx=n_ctx, whole=whole)  # after a save in flight
             if found.n_tokens <= have:
                 return None
             return await kvflow.fetch_prefix(store, ns, found, promote=True)
@@ -505,22 +523,52 @@ class KVTierCache(BaseLlamaCache):
         """Count a restore; remember its tail (the next save replaces it)."""
         n = fetched.n_tokens
         self.counters.hits += 1
-        self.counters.tokens_restored += n
+        self._note_restore(n)
         if fetched.tail is not None:
             self._tail = kvflow.TailRecord(fetched.tail.key, n)
         return n
 
+    def _note_restore(self, n: int) -> None:
+        """Count ``n`` restored tokens; after a sliding-window state, bound how far back the
+        context may be reused.
+
+        A restored window holds the ``n_swa`` cells its last token sees and no more (a sequence's
+        save leaves the masked ones out; kvtier adds two masked zero cells below them). Queries from
+        position ``n - 1`` on see only those; an earlier one would attend over a cut window. Unlike
+        llama-server, ``Llama.generate`` does not check the memory's lowest position before it
+        reuses a prefix, so ``__getitem__`` empties the context before it would reuse less than
+        ``n - 1`` tokens of it. Recurrent memory needs no bound: llama.cpp refuses to rewind it and
+        ``Llama.generate`` then evaluates the prompt from the start.
+        """
+        self.counters.tokens_restored += n
+        self._rewind_floor = n - 1 if self.info.memory_kind == "kv_pair" else 0
+
+    def _drop_if_rewound(self, tokens: np.ndarray) -> None:
+        """Reset the bound ``Llama`` when its next ``generate(tokens)`` would reuse fewer tokens of
+        a restored sliding-window state than ``_rewind_floor`` (it then evaluates all of them)."""
+        if not self._rewind_floor:
+            return
+        have = common_prefix(context_tokens(self.llm), tokens)
+        reused = have - 1 if have == tokens.size else have  # generate replays a fully cached prompt's last token
+        if reused >= self._rewind_floor:
+            return
+        if have:
+            log.debug("dropping the context: reusing %d tokens would cut the restored window", reused)
+            self.llm.reset()  # type: ignore[no-untyped-call]
+        self._rewind_floor = 0
+
     def _save(self, key: np.ndarray, value: LlamaState | None) -> StoreResult | None:
         t0 = time.perf_counter()
         llm, ns = self.llm, self.namespace
-        picked = _state_to_store(llm, self.info.arch_header, key, value, ns.chunk_tokens)
+        picked = _state_to_store(llm, self.info, key, value, ns.chunk_tokens)
         if picked is None:
             return None
         tokens, state = picked
-        if state.split_reason is not None:
-            if state.split_reason not in self._warned:  # once per reason: every completion would repeat it
-                self._warned.add(state.split_reason)
-                log.warning("state not stored: %s", state.split_reason)
+        reason = state.store_reason
+        if reason is not None:
+            if reason not in self._warned:  # once per reason: every completion would repeat it
+                self._warned.add(reason)
+                log.warning("state not stored: %s", reason)
             return None
         previous, self._held = self._held, tokens.copy()
         stored = self.store.call(kvflow.store_state_marked(
@@ -547,21 +595,25 @@ class KVTierCache(BaseLlamaCache):
 # -- module-level helpers -------------------------------------------------------------------------
 
 
-def _state_to_store(llm: Llama, arch_header: bytes, key: np.ndarray, value: LlamaState | None,
+def _state_to_store(llm: Llama, info: ContextInfo, key: np.ndarray, value: LlamaState | None,
                     chunk_tokens: int) -> tuple[np.ndarray, SeqState] | None:
     """The state ``cache[key] = value`` should store: the bound context's sequence when it holds
     ``key``'s start (read per sequence, cheaper than ``value``'s whole-context copy), else the
-    value's own bytes (another ``Llama`` shares this cache); None when it holds no full chunk."""
+    value's own bytes (another ``Llama`` shares this cache); None when it holds no full chunk.
+
+    A state with a rest is read per sequence only: a whole-context state keeps a sliding window's
+    masked cells too (``llama_kv_cache::state_write`` drops them only for one sequence), which a
+    cut window must not hold."""
     held = context_tokens(llm)
     if held.size and held.size <= key.size and np.array_equal(held, key[: held.size]):
         tokens, image = held, None
-    elif value is not None and int(value.n_tokens) >= chunk_tokens:
+    elif value is not None and int(value.n_tokens) >= chunk_tokens and not info.has_rest:
         tokens, image = as_token_array(np.asarray(value.input_ids[: value.n_tokens])), value
     else:
         return None
-    if tokens.size < chunk_tokens:
+    if tokens.size < chunk_tokens and not info.has_rest:  # a state with a rest is stored as a tail alone
         return None
-    raw = read_seq_image(llm, tokens=tokens) if image is None else image_from_llama_state(image, arch_header)
+    raw = read_seq_image(llm, tokens=tokens) if image is None else image_from_llama_state(image, info.arch_header)
     return tokens, parse_state(raw)
 
 
@@ -583,6 +635,8 @@ def save_session(llm: Llama, session_id: str, *, cache: KVTierCache | None = Non
 
     Raises:
         ValueError: a bad session id or an empty context. KVTierError: the store failed.
+        SessionError: the state cannot be stored (``SeqState.store_reason``; e.g. a sliding window
+            that is not full yet: llama-server could not reuse it, so it is not stored at all).
     """
     c = _cache_of(llm, cache)
     tokens = context_tokens(llm)
@@ -608,7 +662,7 @@ def restore_session(llm: Llama, session_id: str, *, cache: KVTierCache | None = 
     payloads, _tier = c.store.call(sessions.fetch(ns, manifest), c.timeout)
     image = assemble_state(payloads, manifest.tokens, v_trans=c.info.v_trans, n_stream=c.info.n_stream)
     n = load_seq_image(llm, image)
-    c.counters.tokens_restored += n
+    c._note_restore(n)
     try:
         c.store.call(sessions.touch(ns, manifest), c.timeout)
     except Exception as exc:  # only last_used is lost

@@ -46,6 +46,8 @@ IO_MAGIC = 0xAF143CD8  # llama_context::state_seq_{get,set}_data: io_magic, then
 _SEQ_HEAD = struct.Struct("<Ii")
 _GGSQ_HEAD = struct.Struct("<III")
 _U32 = struct.Struct("<I")
+_CELL = struct.Struct("<iI")  # a recurrent cell of a one-sequence save: pos, n_seq_id (0)
+_CELL_SEQ = struct.Struct("<iIi")  # the same cell naming its sequence: pos, n_seq_id (1), seq id
 
 
 class RestoreError(KVTierError):
@@ -63,9 +65,16 @@ class ContextInfo:
     arch_header: bytes
     n_stream: int
     v_trans: bool
-    layout: StateLayout
+    layout: StateLayout  # of the first KV cache: what prefix chunks hold
     n_ctx: int
     split_reason: str | None  # why this model's states cannot be cut into prefix chunks, or None
+    memory_kind: str = "kv"  # kv, kv_pair (sliding window) or hybrid (KV cache + recurrent state)
+
+    @property
+    def has_rest(self) -> bool:
+        """States carry a rest after the first KV cache (``SeqState.has_rest``): they are restored
+        whole, never as a shorter prefix."""
+        return self.memory_kind != "kv"
 
 
 def _api() -> Any:
@@ -164,10 +173,15 @@ def whole_state_bytes(image: bytes | bytearray | memoryview | np.ndarray, arch_h
     """The whole-context state (``llama_state_set_data``) of a single-sequence slot-file image.
 
     Writes ``arch_header`` over the end of the token section, so the result is a view of ``image``'s
-    buffer (a copy only when the token section is shorter than the header).
+    buffer (a copy only when the token section is shorter than the header, or the image holds a
+    recurrent state: see ``_recurrent_for_sequence_0``).
     """
     arr = _writable(image)
     mem_at = memory_offset(arr)
+    named = _recurrent_for_sequence_0(arr, mem_at, len(arch_header))
+    if named is not None:
+        named[: len(arch_header)] = np.frombuffer(arch_header, np.uint8)
+        return named.data
     start = mem_at - len(arch_header)
     if start < 0:
         out = np.empty(len(arch_header) + arr.size - mem_at, np.uint8)
@@ -176,6 +190,34 @@ def whole_state_bytes(image: bytes | bytearray | memoryview | np.ndarray, arch_h
         return out.data
     arr[start:mem_at] = np.frombuffer(arch_header, np.uint8)
     return arr.data[start:]
+
+
+def _recurrent_for_sequence_0(arr: np.ndarray, mem_at: int, head: int) -> np.ndarray | None:
+    """The memory of a slot-file image whose recurrent cells name no sequence, rewritten so that
+    they name sequence 0, after ``head`` bytes left free; None when the memory holds no such cells.
+
+    A one-sequence save writes its recurrent cells without sequence ids, and reading one back
+    gives them the sequence it is restored into; a whole-context read (``dest_seq_id == -1``,
+    ``llama_memory_recurrent::state_read_meta``) takes the ids from the cells, and a cell without
+    any would belong to no sequence. KV cells always carry their sequence id.
+    """
+    state = parse_state(arr)
+    rec = state.recurrent
+    if rec is None or not rec.n_cells or rec.seq_ids.size:
+        return None
+    rec_at = arr.size - rec.nbytes  # the recurrent state ends the memory
+    cells_end = rec_at + _U32.size + rec.n_cells * _CELL.size
+    out = np.empty(head + (rec_at - mem_at) + _U32.size + rec.n_cells * _CELL_SEQ.size + (arr.size - cells_end),
+                   np.uint8)
+    at = head + rec_at - mem_at
+    out[head:at] = arr[mem_at:rec_at]
+    out[at: at + _U32.size] = arr[rec_at: rec_at + _U32.size]  # the cell count
+    at += _U32.size
+    for pos in rec.pos.tolist():
+        _CELL_SEQ.pack_into(out.data, at, pos, 1, 0)
+        at += _CELL_SEQ.size
+    out[at:] = arr[cells_end:]
+    return out
 
 
 def load_seq_image(llm: Any, image: bytes | bytearray | memoryview | np.ndarray, seq_id: int = 0) -> int:
@@ -222,14 +264,16 @@ def load_seq_image(llm: Any, image: bytes | bytearray | memoryview | np.ndarray,
 def probe_context(llm: Any) -> ContextInfo:
     """Learn the V layout, stream count and KV layout of ``llm``'s context.
 
-    A fresh context holds no cells to read a layout from: one token is evaluated, read back and
+    A fresh context holds no cells to read a layout from: two tokens are evaluated, read back and
     removed (a few milliseconds; ``llm`` is reset afterwards, as it was). A context that already
     holds tokens is read as it is.
     """
     lib = _api()
     fresh = llm.n_tokens == 0
     if fresh:
-        probe = llm.tokenize(b"kvtier", add_bos=False, special=False)[:1] or [0]
+        # Two tokens, not one: a hybrid state as of position 0 starts its recurrent part with the
+        # words 1, 0, which also read as an empty second KV cache (parse_state takes that reading).
+        probe = (llm.tokenize(b"kvtier", add_bos=False, special=False) + [0, 0])[:2]
         llm.eval(probe)
     try:
         state: SeqState = parse_state(read_seq_image(llm), allow_opaque=True)
@@ -247,10 +291,13 @@ def probe_context(llm: Any) -> ContextInfo:
         if fresh:
             llm._ctx.kv_cache_clear()
             llm.reset()
-    layout = state.layout if state.memory_kind != "opaque" else None
+    # Sliding-window and hybrid memory: prefix chunks hold the first KV cache, the rest rides along.
+    kv = state.first_cache if state.has_rest else state
+    layout = kv.layout if kv.memory_kind == "kv" else None
     if layout is None or state.v_trans is None or state.n_stream is None:
         raise StateFormatError(f"cannot learn the KV layout of this context ({state.memory_kind} memory: "
                                f"{state.opaque_reason or state.split_reason or 'no cells'})")
     # Only what the model imposes counts here (what a context happens to hold may change).
-    reason = state.split_reason if state.memory_kind != "kv" or state.cell_ext else None
-    return ContextInfo(arch_header, state.n_stream, bool(state.v_trans), layout, int(llm.n_ctx()), reason)
+    reason = kv.split_reason if kv.cell_ext else None
+    return ContextInfo(arch_header, state.n_stream, bool(state.v_trans), layout, int(llm.n_ctx()), reason,
+                       state.memory_kind)
