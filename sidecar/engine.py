@@ -274,6 +274,7 @@ class KVEngine:
         read for its timings there too, after it has been delivered."""
         record = plan.lease.table.slots[plan.lease.slot]
         record.served = record.saving = True
+        record.answered = (plan.tokens, plan.salt) if ok else None
         answered = time.perf_counter()
         task = asyncio.get_running_loop().create_task(self._save_then_release(plan, ok, answer, answered))
         self._pending.add(task)
@@ -297,6 +298,7 @@ class KVEngine:
                 return
             finally:
                 table.slots[lease.slot].saving = False
+                table.slots[lease.slot].answered = None
                 lease.release()
                 self.metrics.pending_saves.set(max(len(self._pending) - 1, 0))
             if stored:

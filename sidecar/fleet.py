@@ -37,6 +37,7 @@ a request to a genuine peer, which costs time).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import json
@@ -194,6 +195,7 @@ class Fleet:
         self._published: tuple[bytes, set[bytes]] | None = None  # (key, fields) last written
         self._signature: object = None
         self._last_write = 0.0
+        self._nudged = asyncio.Event()  # a slot changed: compare now, not at the next poll
 
     # -- publishing -------------------------------------------------------------------------------
 
@@ -208,10 +210,11 @@ class Fleet:
         heats: list[SlotHeat] = []
         fields: dict[bytes, int] = {}
         for s in table.slots:
-            chain, tail = self._slot_chain(s.id, s.tokens, s.owner, target.namespace_for(s.owner))
+            tokens, owner = s.hot()  # a slot being saved: the prompt it answered, at once
+            chain, tail = self._slot_chain(s.id, tokens, owner, target.namespace_for(owner))
             for h in chain:
                 fields[h] = fields.get(h, 0) | 1 << s.id
-            heats.append(SlotHeat(int(s.tokens.size), not s.busy or s.saving, tail))
+            heats.append(SlotHeat(int(tokens.size), not s.busy or s.saving, tail))
         busy = sum(1 for s in table.slots if s.busy and not s.saving)
         status = NodeStatus(self.node_id, self.url, tuple(heats), busy, table.queue_depth, self.service_s.value)
         return target.namespace, status, fields
@@ -294,7 +297,14 @@ class Fleet:
                 log.debug("fleet view not updated: %s", exc)
             except Exception:  # never let the heartbeat die: the view would silently go stale
                 log.exception("fleet heartbeat failed")
-            await asyncio.sleep(POLL_S)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._nudged.wait(), POLL_S)
+            self._nudged.clear()
+
+    def nudge(self) -> None:
+        """A slot just finished an answer: publish what it holds now (a client's next turn may
+        follow within milliseconds, to another node), not at the next poll."""
+        self._nudged.set()
 
     async def withdraw(self) -> None:
         """Remove this node's entry (a graceful shutdown: peers stop forwarding to it at once)."""

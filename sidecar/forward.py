@@ -282,7 +282,7 @@ async def route_or_none(forwarder: Forwarder, request: web.Request, raw: bytes, 
         return None
     namespace = target.namespace_for(salt)
     t0 = time.perf_counter()
-    cached = here_cached(target, tokens, salt, [(s.tokens, s.owner, not s.busy or s.saving) for s in table.slots])
+    cached = here_cached(target, tokens, salt, [(*s.hot(), not s.busy or s.saving) for s in table.slots])
     route = await forwarder.route(target, namespace, tokens, cached,
                                   local_wait_s(table, forwarder.fleet.service_s.value))
     if route is None or route.peer is None:

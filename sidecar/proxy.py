@@ -229,6 +229,8 @@ async def _completion(request: web.Request, kind: str) -> web.StreamResponse:
         # Saved when llama-server finished its answer, even if the client (or a shutdown) cut the
         # last bytes short: the slot then holds a complete, valid state.
         engine.finish(plan, ok=relay.ok, answer=bytes(relay.tail) if relay.ok else None)
+        if (forwarder := request.app[FORWARDER]) is not None:
+            forwarder.fleet.nudge()  # peers see the slot's new prompt before its save has read it
 
 
 async def _pinned_passthrough(request: web.Request, body: dict[str, Any], want: int | None,

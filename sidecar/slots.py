@@ -53,12 +53,22 @@ class Slot:
     tail: TailRecord | None = None  # the partial tail it stored or restored last
     resynced: int | None = None  # llama-server's token count when kvtier last read the slot again
     saving: bool = False  # busy with the save after an answer (the request itself is done)
+    # While saving: the prompt that answer ran on and its tenant (the slot holds at least that;
+    # ``tokens`` and ``owner`` say so once the save has read the slot).
+    answered: tuple[np.ndarray, str] | None = None
     # What it holds is not known (a failed or cancelled request, a save that failed): llama-server
     # may still hold the owner's KV, so another tenant's request erases it before use.
     unknown: bool = False
     # The id of the last task llama-server reported for it. Task ids only grow within one
     # llama-server process: one that went down, or vanished, means the server restarted.
     task_id: int | None = None
+
+    def hot(self) -> tuple[np.ndarray, str]:
+        """What the slot holds at least, and for which tenant: while its save runs, the prompt
+        it just answered (known before the save reads the slot), else ``tokens``."""
+        if self.saving and self.answered is not None and self.answered[0].size > self.tokens.size:
+            return self.answered
+        return self.tokens, self.owner
 
 
 @dataclass(slots=True, eq=False)
@@ -115,8 +125,8 @@ class SlotTable:
         idle = [s for s in self.slots if not s.busy and (want is None or s.id == want)]
         scored = [(common_prefix(s.tokens, tokens) if s.owner == owner else 0, -s.last_used, s) for s in idle]
         best_prefix = max((x[0] for x in scored), default=0)
-        saving = [(common_prefix(s.tokens, tokens), s.id) for s in self.slots
-                  if s.saving and s.owner == owner and (want is None or s.id == want)]
+        saving = [(common_prefix(held, tokens), s.id) for s in self.slots if s.saving and (want is None or s.id == want)
+                  for held, held_owner in [s.hot()] if held_owner == owner]
         wait_for = max(saving, default=(0, -1))
         if wait_for[0] > best_prefix:
             return wait_for[1]

@@ -57,6 +57,28 @@ async def test_tenants_never_count_each_others_tokens() -> None:
     assert lease.cached_tokens == 3 and not lease.foreign
 
 
+async def test_a_slot_being_saved_is_hot_with_the_prompt_it_just_answered() -> None:
+    table = SlotTable(2)
+    table.set_tokens(0, np.arange(100, dtype=np.int32), owner="t")
+    answering = await table.acquire(np.arange(300, dtype=np.int32), owner="t")
+    saving = table.slots[answering.slot]
+    assert saving.id == 0
+    saving.saving = True  # its answer ended; its save has not read the slot yet
+    saving.answered = (np.arange(300, dtype=np.int32), "t")
+    held, owner = saving.hot()
+    assert held.size == 300 and owner == "t"  # what the fleet view publishes, and slot choice sees
+    # The next turn of that conversation waits for its own slot rather than take the idle one.
+    waiting = asyncio.ensure_future(table.acquire(np.arange(320, dtype=np.int32), owner="t"))
+    other = await table.acquire(np.arange(320, dtype=np.int32), owner="u")  # another tenant: the idle slot
+    assert other.slot == 1 and other.cached_tokens == 0 and not waiting.done()
+    saving.saving, saving.answered = False, None
+    table.set_tokens(0, np.arange(316, dtype=np.int32), owner="t")  # what the save read
+    answering.release()
+    lease = await asyncio.wait_for(waiting, 1)
+    assert (lease.slot, lease.cached_tokens) == (0, 316)
+    assert saving.hot()[0].size == 316  # once saved: what the slot table knows
+
+
 async def test_more_requests_than_slots_queue_fairly_and_never_share() -> None:
     table = SlotTable(2)
     in_use: set[int] = set()
