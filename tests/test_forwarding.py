@@ -310,3 +310,16 @@ async def test_a_session_turn_is_forwarded_and_its_session_saved_as_if_served_th
     other = await post(b.url + "/v1/chat/completions", third_body,
                        headers={**session, "X-KVTier-Salt": "t10", FORWARDED_HEADER: "x"})
     assert other.status == 200 and other.restored == 0
+
+
+async def test_a_next_turn_sent_at_once_follows_its_history_while_it_is_saved(
+        fleet: tuple[Sidecar, Sidecar, redis.Redis]) -> None:
+    a, b, _ = fleet
+    headers = {**AUTH, "X-KVTier-Salt": "t12"}
+    first = await post(a.url + "/v1/chat/completions", chat([], "What does room 17 hold?"), headers=headers)
+    assert first.status == 200
+    # No pause: A is still saving turn 1 (its slot table does not know the new tokens yet), yet
+    # the fleet view already names the prompt it answered, and turn 2 goes there.
+    second = await post(b.url + "/v1/chat/completions", turn_two(first, "What does room 17 hold?"), headers=headers)
+    assert second.status == 200 and second.headers.get(FORWARDED_TO_HEADER) == "a"
+    assert second.prompt_n < CHUNK and second.restored == 0
