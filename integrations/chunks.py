@@ -222,7 +222,7 @@ def split_state(
         return _split_tail_only(state, chunk_tokens, tail)
     rest: BytesLike = b""
     if state.has_rest:
-        if state.memory_kind == "kv_pair":
+        if tail and state.memory_kind == "kv_pair":  # the rest goes into the tail alone: pad it only then
             state = padded_for_restore(state)
         rest, state = state.rest, state.first_cache
     stream = state.cell_streams()[0]
