@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from integrations.fingerprint import layout_fingerprint, model_identity
+from integrations.fingerprint import layout_fingerprint, memory_identity, model_identity
 from integrations.llama_server import LlamaServerClient, LlamaServerError
 from integrations.statefile import LayerLayout, SeqState, StateLayout
 from tiers.errors import KVTierError
@@ -166,7 +166,7 @@ class ServerWatcher:
         bytes_per_token = 0 if layout_state.tail_only else layout.bytes_per_token
         _restarted_since(table, await self.client.slots())  # records each slot's last task id
         # A state with a rest is another format than a plain cache of the same layers: its own namespace.
-        identity = model_id if memory == "kv" else f"{model_id}|memory={memory}"
+        identity = memory_identity(model_id, memory)
         ns = Namespace(layout_fingerprint(identity, layout), chunk_tokens=self.settings.chunk_tokens)
         n_ctx = int(props.get("default_generation_settings", {}).get("n_ctx") or 0)
         await self.prompts.setup(props, self.settings.model or model_path)
