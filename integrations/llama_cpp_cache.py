@@ -25,7 +25,7 @@ so a lookup restores a stored state whole or not at all. Two things differ from 
 ``Llama.load_state`` reads a whole-context state, whose recurrent cells must name their sequence
 (``whole_state_bytes``), and ``Llama.generate`` reuses any common prefix without checking the
 memory's lowest position, so after restoring a sliding window the cache empties the context
-before a prompt that would reuse less of it than the window allows (``_note_restore``). The
+before a prompt that would reuse less of it than the window allows (``WindowGuard``). The
 padding kvtier adds below a cut window is not needed here, and harmless (masked).
 
 Every cache step is best-effort: a miss, a damaged or foreign chunk, an unreachable Redis or an
@@ -285,6 +285,40 @@ def _lora_salt(llm: Llama, salt: str) -> str:
     return f"{salt}\0{lora}" if salt else lora
 
 
+class WindowGuard:
+    """How far back the context of a ``Llama`` may be reused after a sliding-window restore.
+
+    A restored window holds the ``n_swa`` cells its last token sees and no more (a sequence's save
+    leaves the masked ones out; kvtier adds two masked zero cells below them). Queries from
+    position ``n - 1`` on see only those; an earlier one would attend over a cut window. Unlike
+    llama-server, ``Llama.generate`` does not check the memory's lowest position before it reuses a
+    prefix, so ``check`` empties the context before it would reuse less than ``n - 1`` tokens of
+    it. Recurrent memory needs no bound: llama.cpp refuses to rewind it and ``Llama.generate`` then
+    evaluates the prompt from the start.
+    """
+
+    def __init__(self, llm: Llama):
+        self.llm = llm
+        self.floor = 0  # the fewest tokens of the context a next prompt may reuse (0: no bound)
+
+    def restored(self, n: int, memory_kind: str) -> None:
+        self.floor = n - 1 if memory_kind == "kv_pair" else 0
+
+    def check(self, tokens: np.ndarray) -> None:
+        """Reset the ``Llama`` when its next ``generate(tokens)`` would reuse fewer tokens of a
+        restored window than ``floor`` (it then evaluates all of them)."""
+        if not self.floor:
+            return
+        have = common_prefix(context_tokens(self.llm), tokens)
+        reused = have - 1 if have == tokens.size else have  # generate replays a fully cached prompt's last token
+        if reused >= self.floor:
+            return
+        if have:
+            log.debug("dropping the context: reusing %d tokens would cut the restored window", reused)
+            self.llm.reset()  # type: ignore[no-untyped-call]
+        self.floor = 0
+
+
 class KVTierCache(BaseLlamaCache):
     """A llama-cpp-python cache backed by kvtier's tiers; pass it to ``llm.set_cache``.
 
@@ -360,7 +394,7 @@ class KVTierCache(BaseLlamaCache):
         self._warned: set[str] = set()
         self._tail: kvflow.TailRecord | None = None  # the partial tail this context stored or restored last
         self._held = np.zeros(0, np.int32)  # what the context held at the last save (for that tail)
-        self._rewind_floor = 0  # the lowest position Llama.generate may rewind to (see _note_restore)
+        self._window = WindowGuard(llm)  # how far back a restored sliding window may be reused
 
     def __repr__(self) -> str:
         return (f"KVTierCache(namespace={self.namespace.id}, chunk_tokens={self.namespace.chunk_tokens}, "
@@ -393,7 +427,7 @@ class KVTierCache(BaseLlamaCache):
         """
         self.counters.lookups += 1
         tokens = as_token_array(key)
-        self._drop_if_rewound(tokens)
+        self._window.check(tokens)
         try:
             fetched = self._fetch_prefix(tokens, common_prefix(context_tokens(self.llm), tokens))
             if fetched is None:
@@ -529,33 +563,9 @@ class KVTierCache(BaseLlamaCache):
         return n
 
     def _note_restore(self, n: int) -> None:
-        """Count ``n`` restored tokens; after a sliding-window state, bound how far back the
-        context may be reused.
-
-        A restored window holds the ``n_swa`` cells its last token sees and no more (a sequence's
-        save leaves the masked ones out; kvtier adds two masked zero cells below them). Queries from
-        position ``n - 1`` on see only those; an earlier one would attend over a cut window. Unlike
-        llama-server, ``Llama.generate`` does not check the memory's lowest position before it
-        reuses a prefix, so ``__getitem__`` empties the context before it would reuse less than
-        ``n - 1`` tokens of it. Recurrent memory needs no bound: llama.cpp refuses to rewind it and
-        ``Llama.generate`` then evaluates the prompt from the start.
-        """
+        """Count ``n`` restored tokens; a sliding window bounds how far back they may be reused."""
         self.counters.tokens_restored += n
-        self._rewind_floor = n - 1 if self.info.memory_kind == "kv_pair" else 0
-
-    def _drop_if_rewound(self, tokens: np.ndarray) -> None:
-        """Reset the bound ``Llama`` when its next ``generate(tokens)`` would reuse fewer tokens of
-        a restored sliding-window state than ``_rewind_floor`` (it then evaluates all of them)."""
-        if not self._rewind_floor:
-            return
-        have = common_prefix(context_tokens(self.llm), tokens)
-        reused = have - 1 if have == tokens.size else have  # generate replays a fully cached prompt's last token
-        if reused >= self._rewind_floor:
-            return
-        if have:
-            log.debug("dropping the context: reusing %d tokens would cut the restored window", reused)
-            self.llm.reset()  # type: ignore[no-untyped-call]
-        self._rewind_floor = 0
+        self._window.restored(n, self.info.memory_kind)
 
     def _save(self, key: np.ndarray, value: LlamaState | None) -> StoreResult | None:
         t0 = time.perf_counter()
