@@ -32,6 +32,7 @@ from integrations.llama_cpp_cache import KVTierCache, SyncStore, restore_session
 from integrations.llama_cpp_state import image_from_llama_state, load_seq_image, read_seq_image
 from integrations.llama_server import LlamaServerClient
 from integrations.statefile import parse_state
+from tests.inprocess import counting_llama
 from tests.servers import RedisProc, llama_server, smollm2_path
 from tiers.codec import BlobCodec
 from tiers.errors import KVTierError
@@ -51,16 +52,7 @@ OTHER = " ".join(f"Note {i}: shelf {i} stores {i * 3} jars of {['jam', 'honey', 
 
 @pytest.fixture(scope="module")
 def llm() -> Iterator[llama_cpp.Llama]:
-    model = llama_cpp.Llama(smollm2_path(), n_ctx=2048, n_threads=2, n_batch=512, seed=7, verbose=False)
-    evals: list[int] = []
-    original = model.eval
-
-    def counting_eval(tokens: Any) -> None:
-        evals.append(len(tokens))
-        original(tokens)
-
-    model.eval = counting_eval  # type: ignore[method-assign]
-    model.evals = evals  # type: ignore[attr-defined]
+    model = counting_llama(smollm2_path())
     yield model
     model.set_cache(None)
     model.close()

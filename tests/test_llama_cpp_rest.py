@@ -17,7 +17,6 @@ import contextlib
 import ctypes
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import llama_cpp
 import numpy as np
@@ -30,6 +29,7 @@ from integrations.llama_cpp_state import load_seq_image, read_seq_image, whole_s
 from integrations.statefile import parse_state
 from integrations.swa import gguf_sliding_window
 from tests.ggufgen import ModelShape, write_random_model
+from tests.inprocess import counting_llama
 from tests.servers import RedisProc, gemma3_path, smollm2_path
 from tiers.keys import Namespace
 
@@ -53,18 +53,7 @@ class Saved:
 
 
 def fresh(model: str) -> llama_cpp.Llama:
-    """A ``Llama`` whose ``evals`` list the token counts handed to ``eval``."""
-    llm = llama_cpp.Llama(model, n_ctx=2048, n_threads=2, n_batch=512, seed=7, verbose=False)
-    evals: list[int] = []
-    original = llm.eval
-
-    def counting_eval(tokens: Any) -> None:
-        evals.append(len(tokens))
-        original(tokens)
-
-    llm.eval = counting_eval  # type: ignore[method-assign]
-    llm.evals = evals  # type: ignore[attr-defined]
-    return llm
+    return counting_llama(model)
 
 
 def cache_of(llm: llama_cpp.Llama, saved: Saved) -> KVTierCache:
