@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -199,6 +199,18 @@ class LlamaServerClient:
     async def erase_slot(self, id_slot: int) -> int:
         d = await self._slot_action(id_slot, "erase", None)
         return int(d.get("n_erased", 0))
+
+    async def prefill(self, id_slot: int, tokens: Iterable[int]) -> tuple[int, int]:
+        """Compute ``tokens`` into slot ``id_slot`` (reusing what it holds) and generate nothing:
+        the slot then holds exactly them. The tokens it holds and those computed, as llama-server
+        reports them."""
+        data = await self.completion({"prompt": [int(t) for t in tokens], "n_predict": 0, "id_slot": id_slot,
+                                      "cache_prompt": True})
+        timings = data.get("timings")
+        if not isinstance(timings, dict):
+            raise LlamaServerError("prefill answer has no timings")
+        computed = int(timings.get("prompt_n", 0))
+        return int(timings.get("cache_n", 0)) + computed, computed
 
     async def completion(self, body: Mapping[str, Any], path: str = "/completion") -> dict[str, Any]:
         """A non-streaming completion (for tests, benchmarks and warm-up)."""

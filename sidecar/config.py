@@ -140,6 +140,11 @@ class Settings:
     save_wait: float = _option(2.0, "longest a request waits for another node's save in flight that holds more of "
                                      "its prompt than the tiers do; the cost model may wait less (0: never wait)",
                                _float)
+    save_prompt_end: bool = _option(False, "sliding-window, hybrid and recurrent models: before answering, compute "
+                                           "the prompt but its last token and save that state too, for templates "
+                                           "that drop earlier reasoning from the history (thinking models): their "
+                                           "next prompt continues the prompt, not the answer (costs a slot save "
+                                           "before each answer)", _bool)
     restore_min_tokens: int = _option(0, "never restore fewer tokens than this (0 = cost model decides)", _int)
     prefill_tps_prior: float = _option(300.0, "prior prefill rate (tokens/s) before one is measured", _float)
     restore_gbps_prior: float = _option(0.5, "prior restore bandwidth (GB/s) before one is measured", _float)

@@ -157,7 +157,7 @@ class KVEngine:
 
     async def prepare(self, prompt: Prompt, *, want_slot: int | None = None, salt: str = "",
                       timeout: float | None = None, session_id: str | None = None,
-                      since: float | None = None, asked: Asked = ()) -> RequestPlan:
+                      since: float | None = None, asked: Asked = (), prompt_end: bool = False) -> RequestPlan:
         """Take a slot for ``prompt``'s tokens and restore the longest worthwhile prefix into it.
 
         The slot is released by ``finish`` (after the answer and its save), or here when this
@@ -171,6 +171,8 @@ class KVEngine:
                 the request's result under it afterwards).
             asked: what the request asked (``prompts.asked_of``), remembered with the slot after
                 the answer for its follow-ups.
+            prompt_end: also save the state at the prompt's end (``--save-prompt-end``), for a
+                memory with a rest (``Saver.save_prompt_end``).
         """
         target, table = self.watcher.target, self.watcher.slots
         if target is None or table is None:
@@ -188,6 +190,8 @@ class KVEngine:
                 self.session_slots[session_id] = lease.slot
             t1 = time.perf_counter()
             await self._restore(plan, target)
+            if prompt_end and target.whole and tokens.size - max(plan.restored_tokens, lease.cached_tokens) > 1:
+                await self.saver.save_prompt_end(table, lease.slot, plan.namespace, tokens, owner=salt)
         except BaseException:
             if lease is not None:
                 lease.release()

@@ -207,8 +207,10 @@ async def _completion(request: web.Request, kind: str) -> web.StreamResponse:
             if answer is not None:
                 metrics.requests.labels(kind, "forwarded").inc()
                 return answer
+        # A LoRA chosen per request would not be the one the state at the prompt's end is computed with.
+        prompt_end = request.app[SETTINGS].save_prompt_end and "lora" not in body
         plan = await engine.prepare(prompt, want_slot=want, salt=salt, session_id=session_id, since=started,
-                                    asked=asked or ())
+                                    asked=asked or (), prompt_end=prompt_end)
     relay = Relay()
     try:
         headers = {

@@ -10,6 +10,7 @@ import numpy as np
 
 from integrations.kvflow import Publisher, pending_save, save_session, store_state
 from integrations.statefile import SeqState
+from tiers.errors import KVTierError
 from tiers.keys import Namespace
 from tiers.pending import PendingSaves
 from tiers.sessions import Manifest, SessionStore
@@ -56,6 +57,32 @@ class Saver:
             seconds = time.perf_counter() - answered
             self.metrics.save_readable_seconds.observe(seconds)
             self.cost.observe_readable(n_tokens, seconds)
+
+    async def save_prompt_end(self, table: SlotTable, slot: int, namespace: Namespace, tokens: np.ndarray, *,
+                              owner: str = "") -> bool:
+        """Compute ``tokens`` but the last into ``slot`` and store that state: the state a next
+        prompt continues when it keeps this prompt but not its answer (thinking models whose
+        templates drop earlier reasoning). A state with a rest holds one position only (its
+        window, its recurrent state), so the state after the answer serves no such prompt. The
+        last token is left to the request itself, which then reuses all the rest (llama-server
+        always computes a prompt's last token). False when it could not be done (counted; the
+        request goes on as without it)."""
+        try:
+            held, computed = await self.files.client.prefill(slot, tokens[:-1])
+            self.metrics.tokens_recomputed.inc(computed)
+            if held != tokens.size - 1:
+                raise KVTierError(f"llama-server holds {held} tokens after a prefill of {tokens.size - 1}")
+            await self.save_slot(table, slot, namespace, owner=owner)
+            # Kept when the answer's state is stored: that one does not replace it for a next
+            # prompt that drops the answer (store_state deletes the tail it supersedes).
+            table.slots[slot].tail = None
+        except Exception as exc:  # best-effort: the request goes on, its prompt computed as ever
+            self.metrics.prompt_end_saves.labels("failed").inc()
+            log.warning("slot %d: the state at the prompt's end was not saved: %s", slot, exc)
+            table.forget(slot)  # what it holds now is not known for sure
+            return False
+        self.metrics.prompt_end_saves.labels("stored").inc()
+        return True
 
     async def save_slot(self, table: SlotTable, slot: int, namespace: Namespace, *, owner: str = "") -> SeqState:
         """Save ``slot``, store its new chunks and its partial tail, and record what it holds."""

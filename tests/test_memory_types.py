@@ -56,10 +56,10 @@ class Hop:
 
 
 async def _node(stack: AsyncExitStack, tmp: Path, name: str, model: str, flags: tuple[str, ...],
-                redis_url: str) -> tuple[LlamaServer, Sidecar]:
+                redis_url: str, **extra: Any) -> tuple[LlamaServer, Sidecar]:
     llama = stack.enter_context(llama_server(tmp / name, *flags, model=model))
     settings = Settings(llama_url=llama.url, slot_dir=str(llama.slot_dir), redis_url=redis_url, node_id=name,
-                        chunk_tokens=CHUNK, cache_size=256 << 20, prefill_tps_prior=50.0)
+                        chunk_tokens=CHUNK, cache_size=256 << 20, prefill_tps_prior=50.0, **extra)
     sc = await stack.enter_async_context(run_sidecar(settings))
     assert await sc.engine.ensure_ready()
     return llama, sc
@@ -178,3 +178,53 @@ async def test_a_model_with_recurrent_memory_hops_nodes(redis_srv: RedisProc, tm
     for hop in hops[1:]:
         assert hop.restored > 250 and hop.prompt_n <= 12, hop  # only the new tokens (and the last answer token)
     assert answers == reference
+
+
+@pytest.mark.parametrize("prompt_end", [True, False], ids=["save-prompt-end", "without"])
+async def test_a_next_prompt_that_drops_the_answer_restores_the_state_at_the_prompts_end(
+        redis_srv: RedisProc, tmp_path: Path, prompt_end: bool) -> None:
+    """A thinking model's template drops the last answer's reasoning from the next prompt, which
+    then continues the prompt but not the answer. A hybrid state holds one position only, so the
+    state after the answer serves no such prompt; with ``--save-prompt-end`` the state at the
+    prompt's end (its last token left to the request) is stored too, and restores on another node."""
+    model = str(write_random_model(tmp_path / "lfm2.gguf", smollm2_path(), RECURRENT["lfm2"], arch="lfm2", seed=11))
+    with redis.Redis.from_url(redis_srv.url) as r:
+        r.flushall()
+    first = list(range(1000, 1300))
+    second = [*first, *range(3000, 3010)]  # not the answer: as if the template had dropped it
+    body: dict[str, Any] = {"n_predict": 8, "temperature": 0, "return_tokens": True}
+    async with AsyncExitStack() as stack:
+        nodes = {name: await _node(stack, tmp_path, name, model, ("-c", "2048"), redis_srv.url,
+                                   save_prompt_end=prompt_end) for name in ("a", "b")}
+        one = await post(nodes["a"][1].url + "/completion", {**body, "prompt": first})
+        assert one.status == 200
+        await nodes["a"][1].engine.drain(30)
+        assert await nodes["a"][1].store.flush(30)
+        two = await post(nodes["b"][1].url + "/completion", {**body, "prompt": second})
+        assert two.status == 200
+        await nodes["b"][1].engine.drain(30)  # its answer's timings are counted there
+        stored = nodes["a"][1].metric("kvtier_prompt_end_saves_total", outcome="stored")
+        computed = nodes["b"][1].metric("kvtier_tokens_recomputed_total")
+    if not prompt_end:
+        assert stored == 0 and two.restored == 0 and computed == two.prompt_n == len(second)
+        return
+    assert stored == 1
+    # B restored all of the first prompt but its last token, and computed only the rest: in two
+    # steps, as every prompt with --save-prompt-end (its own prompt's end is saved before its answer).
+    assert two.restored == len(first) - 1 and computed == len(second) - len(first) + 1 and two.prompt_n == 1
+    # llama-server alone, the same split: the first prompt but its last token computed, the slot
+    # saved and restored on a fresh server, the second prompt but its last token, then all of it.
+    with llama_server(tmp_path / "ref-a", "-c", "2048", model=model) as ref:
+        pre = await post(ref.url + "/completion", {"prompt": first[:-1], "n_predict": 0, "id_slot": 0,
+                                                   "cache_prompt": True})
+        assert pre.status == 200
+        assert (await post(ref.url + "/slots/0?action=save", {"filename": "s.bin"})).status == 200
+        state = (ref.slot_dir / "s.bin").read_bytes()
+    with llama_server(tmp_path / "ref-b", "-c", "2048", model=model) as ref:
+        (ref.slot_dir / "r.bin").write_bytes(state)
+        assert (await post(ref.url + "/slots/0?action=restore", {"filename": "r.bin"})).status == 200
+        assert (await post(ref.url + "/completion", {"prompt": second[:-1], "n_predict": 0, "id_slot": 0,
+                                                     "cache_prompt": True})).status == 200
+        own = await post(ref.url + "/completion", {**body, "prompt": second, "id_slot": 0, "cache_prompt": True})
+    assert own.status == 200 and own.body["timings"]["cache_n"] == len(second) - 1
+    assert two.body["tokens"] == own.body["tokens"]
