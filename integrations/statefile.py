@@ -466,21 +466,29 @@ def _parse_memory(arr: np.ndarray, start: int, end: int) -> _Memory:
     for cell_ext in (False, True):
         r = StateReader(arr, start, end)
         caches: list[KVCache] = []
+        ends = [r.pos]  # where the recurrent state would start after 0, 1, ... caches
         kv_failure: tuple[int, str] | None = None
         while r.left and len(caches) < MAX_KV_CACHES:
             at = r.pos
             try:
                 caches.append(_parse_kv_cache(r, cell_ext))
+                ends.append(r.pos)
             except StateFormatError as exc:
                 kv_failure, r.pos = (r.pos, str(exc)), at
                 break
         if not r.left:
             return _Memory(tuple(caches), cell_ext, None)
-        at = r.pos
-        try:
-            return _Memory(tuple(caches), cell_ext, parse_recurrent(r))
-        except StateFormatError as exc:
-            failures.append(_why_not(caches, end - at, kv_failure, (r.pos, str(exc))))
+        # The recurrent state after as many caches as read; else after fewer: its first words can
+        # read as an empty KV cache (a one-token hybrid state starts 1, 0: a stream of no cells).
+        rec_failure: tuple[int, str] | None = None
+        for n in range(len(caches), -1, -1):
+            r.pos = ends[n]
+            try:
+                return _Memory(tuple(caches[:n]), cell_ext, parse_recurrent(r))
+            except StateFormatError as exc:
+                rec_failure = rec_failure or (r.pos, str(exc))
+        assert rec_failure is not None
+        failures.append(_why_not(caches, end - ends[-1], kv_failure, rec_failure))
     raise StateFormatError(max(failures)[1])
 
 

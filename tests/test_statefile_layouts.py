@@ -50,6 +50,7 @@ class Saved:
     empty: bytes  # slot 0 before any request
     full: bytes  # slot 0 after the completion
     n_tokens: int  # what the completion evaluated: prompt and all generated tokens but the last
+    one: bytes  # slot 0 holding one token (a one-token prompt answered with one token)
 
 
 def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -76,7 +77,10 @@ def saved(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
         run = post(srv.url + "/completion", {"prompt": PROMPT, "n_predict": N_PREDICT, "temperature": 0,
                                              "cache_prompt": True, "id_slot": 0})
         assert run["timings"]["predicted_n"] == N_PREDICT
-        yield Saved(arch, SHAPES[arch], empty, save("full.bin"), run["timings"]["prompt_n"] + N_PREDICT - 1)
+        full = save("full.bin")
+        post(srv.url + "/slots/0?action=erase", {})
+        post(srv.url + "/completion", {"prompt": [1000], "n_predict": 1, "cache_prompt": True, "id_slot": 0})
+        yield Saved(arch, SHAPES[arch], empty, full, run["timings"]["prompt_n"] + N_PREDICT - 1, save("one.bin"))
 
 
 def recurrent_start(raw: bytes, st: SeqState) -> int:
@@ -94,10 +98,11 @@ def patched(raw: bytes, offset: int, fmt: str, value: int) -> bytes:
 
 
 def test_parses_as_its_layout_and_writes_back_byte_for_byte(saved: Saved) -> None:
-    for raw in (saved.empty, saved.full):
+    for raw in (saved.empty, saved.full, saved.one):
         st = parse_state(raw)
         assert st.memory_kind == KIND[saved.arch]
         assert bytes(write_state(st)) == raw
+    assert parse_state(saved.one).n_tokens == 1
     st = parse_state(saved.full)
     assert st.n_tokens == saved.n_tokens
     assert st.splittable == (saved.arch == "llama"), st.split_reason
