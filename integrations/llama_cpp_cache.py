@@ -28,6 +28,14 @@ memory's lowest position, so after restoring a sliding window the cache empties 
 before a prompt that would reuse less of it than the window allows (``WindowGuard``). The
 padding kvtier adds below a cut window is not needed here, and harmless (masked).
 
+Recurrent-only models (Mamba 2, RWKV) store as on the sidecar too: no chunk, one tail of every
+token whose rest is the whole recurrent state, looked up as the longest stored state the prompt
+continues (``kvflow.find_prefix(tail_only=True)``), in the sidecar's namespace for them (keyed by
+the recurrent layers' types and row sizes: ``llama_cpp_state.memory_layout``). Each completion
+stores its whole state (replacing the one this context stored before, when it continues it); a
+prompt that stops inside a stored state, ends with it, or leaves it, is computed from the start:
+llama.cpp cannot rewind a recurrent state, and the last prompt token is always evaluated.
+
 Every cache step is best-effort: a miss, a damaged or foreign chunk, an unreachable Redis or an
 error only means the prompt is evaluated as without a cache. Nothing read from a store is unpickled:
 values are checked blobs (``tiers.codec``), their payloads raw KV rows.
@@ -323,7 +331,7 @@ class KVTierCache(BaseLlamaCache):
     """A llama-cpp-python cache backed by kvtier's tiers; pass it to ``llm.set_cache``.
 
     The cache is bound to one ``Llama``: it learns the context's KV layout, V layout and stream
-    count from it at construction (a fresh context evaluates one token for that, then is reset),
+    count from it at construction (a fresh context evaluates two tokens for that, then is reset),
     reads the sequence from it after each completion, and restores into it.
 
     Args:
@@ -345,14 +353,13 @@ class KVTierCache(BaseLlamaCache):
         save_wait: the longest a lookup waits for another node's save in flight that holds more
             of the prompt than the tiers do (the sidecar's ``--save-wait``; 0: never wait).
 
-    Sliding-window and hybrid models are served too (see the module doc); after restoring a
+    Sliding-window, hybrid and recurrent-only models are served too (see the module doc); after restoring a
     sliding window, a prompt that leaves it early is computed from the start only when this cache
     is set on the ``Llama`` (``llm.set_cache``): it is the cache's lookup that notices.
 
     Raises:
         ConfigError: the model's memory cannot be cut into prefix chunks (M-RoPE or PLE cells).
-        StateFormatError: its memory is none kvtier can read a KV layout from (recurrent alone,
-            opaque).
+        StateFormatError: its memory is none kvtier can read a layout from (opaque).
     """
 
     def __init__(
@@ -408,9 +415,11 @@ class KVTierCache(BaseLlamaCache):
         return self.store.memory.stats().bytes_used
 
     def __contains__(self, key: Sequence[int]) -> bool:
-        """True when at least one chunk of ``key``'s prefix is stored (``kvflow.restorable_tokens``)."""
+        """True when at least one chunk of ``key``'s prefix is stored (``kvflow.restorable_tokens``);
+        for states with a rest, which chunks alone do not restore, a whole state ``key`` continues."""
         try:
-            return self._find(as_token_array(key)).chunks.n_chunks > 0
+            found = self._find(as_token_array(key))
+            return found.n_tokens > 0 if self.info.has_rest else found.chunks.n_chunks > 0
         except Exception as exc:
             self._failed("lookup", exc)
             return False
@@ -484,7 +493,9 @@ class KVTierCache(BaseLlamaCache):
         return self._restored(fetched)
 
     def save(self) -> StoreResult | None:
-        """Store the full chunks of what the bound ``Llama`` holds now (only those not stored yet)."""
+        """Store the full chunks of what the bound ``Llama`` holds now (only those not stored yet),
+        and its tail; the chunks' result, None when it holds no full chunk or no chunk is cut
+        (recurrent memory alone: its one tail is stored all the same)."""
         return self._save(context_tokens(self.llm), None)
 
     # -- sessions -------------------------------------------------------------------------------
@@ -529,7 +540,8 @@ class KVTierCache(BaseLlamaCache):
 
     def _find(self, tokens: np.ndarray) -> kvflow.PrefixFound:
         return self.store.call(kvflow.find_prefix(self.store.store, self.namespace, tokens, n_ctx=self.info.n_ctx,
-                                                  whole=self.info.has_rest), self.timeout)
+                                                  whole=self.info.has_rest, tail_only=self.info.tail_only),
+                               self.timeout)
 
     def _fetch_prefix(self, tokens: np.ndarray, have: int) -> kvflow.PrefixFetched | None:
         """Verified payloads of the longest stored prefix of ``tokens`` (chunks and a partial tail)
@@ -537,13 +549,14 @@ class KVTierCache(BaseLlamaCache):
         if kvflow.restorable_tokens(int(tokens.size), self.info.n_ctx) <= have:
             return None
         store, ns, n_ctx, pending = self.store.store, self.namespace, self.info.n_ctx, self.store.pending
-        whole = self.info.has_rest
+        whole, tail_only = self.info.has_rest, self.info.tail_only
 
         async def lookup_and_fetch() -> kvflow.PrefixFetched | None:
-            found = await kvflow.find_prefix(store, ns, tokens, n_ctx=n_ctx, whole=whole)
+            found = await kvflow.find_prefix(store, ns, tokens, n_ctx=n_ctx, whole=whole, tail_only=tail_only)
             if pending is not None and self.save_wait > 0 and await kvflow.wait_for_pending(
                     pending, ns, tokens, found, max(found.n_tokens, have), lambda _: self.save_wait, n_ctx=n_ctx):
-                found = await kvflow.find_prefix(store, ns, tokens, n_ctx=n_ctx, whole=whole)  # after a save in flight
+                found = await kvflow.find_prefix(store, ns, tokens, n_ctx=n_ctx, whole=whole,  # after a save in flight
+                                                 tail_only=tail_only)
             if found.n_tokens <= have:
                 return None
             return await kvflow.fetch_prefix(store, ns, found, promote=True)
@@ -588,9 +601,11 @@ class KVTierCache(BaseLlamaCache):
             self._failed("tail store", stored.tail_error)
         if stored.tail_error is None or stored.tail_stored:
             self._tail = stored.tail
-        result = stored.chunks
-        assert result is not None
         self.counters.saves += 1
+        result = stored.chunks
+        if result is None:  # a state with a rest under one chunk, or recurrent memory alone: a tail only
+            log.debug("stored a tail of %d tokens in %.1f ms", tokens.size, (time.perf_counter() - t0) * 1e3)
+            return None
         self.counters.chunks_written += result.chunks_written
         self.counters.bytes_written += result.bytes_encoded
         log.debug("stored %d new of %d chunks in %.1f ms", result.chunks_written, result.chunks_total,

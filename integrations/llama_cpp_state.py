@@ -35,6 +35,7 @@ from .statefile import (
     GGSQ_MAGIC,
     GGSQ_VERSION,
     HEADER_BYTES,
+    LayerLayout,
     SeqState,
     StateLayout,
     alloc_buffer,
@@ -65,16 +66,23 @@ class ContextInfo:
     arch_header: bytes
     n_stream: int
     v_trans: bool
-    layout: StateLayout  # of the first KV cache: what prefix chunks hold
+    layout: StateLayout  # what the namespace is keyed by: ``memory_layout``
     n_ctx: int
     split_reason: str | None  # why this model's states cannot be cut into prefix chunks, or None
-    memory_kind: str = "kv"  # kv, kv_pair (sliding window) or hybrid (KV cache + recurrent state)
+    # kv, kv_pair (sliding window), hybrid (KV cache + recurrent state) or recurrent (alone)
+    memory_kind: str = "kv"
 
     @property
     def has_rest(self) -> bool:
-        """States carry a rest after the first KV cache (``SeqState.has_rest``): they are restored
-        whole, never as a shorter prefix."""
+        """States carry a rest after the first KV cache, or are one (``SeqState.has_rest``): they
+        are restored whole, never as a shorter prefix."""
         return self.memory_kind != "kv"
+
+    @property
+    def tail_only(self) -> bool:
+        """Recurrent memory alone: each state is one tail of every token, no chunk
+        (``SeqState.tail_only``)."""
+        return self.memory_kind == "recurrent"
 
 
 def _api() -> Any:
@@ -261,8 +269,21 @@ def load_seq_image(llm: Any, image: bytes | bytearray | memoryview | np.ndarray,
     return n
 
 
+def memory_layout(state: SeqState) -> StateLayout | None:
+    """What a namespace of ``state``'s model is keyed by, as the sidecar keys it: the KV layout
+    prefix chunks hold (the first cache's, for a state with a rest); for recurrent memory alone,
+    what its one tail's bytes depend on instead, each recurrent layer's R (in the K fields) and S
+    (in the V fields) type and row size. None when there is neither."""
+    if state.tail_only:
+        assert state.recurrent is not None
+        return StateLayout(tuple(LayerLayout(la.r_type, la.r_row_size, la.s_type, la.s_row_size)
+                                 for la in state.recurrent.layers))
+    kv = state.first_cache if state.has_rest else state
+    return kv.layout if kv.memory_kind == "kv" else None
+
+
 def probe_context(llm: Any) -> ContextInfo:
-    """Learn the V layout, stream count and KV layout of ``llm``'s context.
+    """Learn the V layout, stream count and KV layout (``memory_layout``) of ``llm``'s context.
 
     A fresh context holds no cells to read a layout from: two tokens are evaluated, read back and
     removed (a few milliseconds; ``llm`` is reset afterwards, as it was). A context that already
@@ -291,13 +312,16 @@ def probe_context(llm: Any) -> ContextInfo:
         if fresh:
             llm._ctx.kv_cache_clear()
             llm.reset()
-    # Sliding-window and hybrid memory: prefix chunks hold the first KV cache, the rest rides along.
-    kv = state.first_cache if state.has_rest else state
-    layout = kv.layout if kv.memory_kind == "kv" else None
+    layout = memory_layout(state)
+    if state.tail_only and layout is not None:
+        # Recurrent memory alone: no V to lay out and no KV stream; its one tail is the whole state.
+        return ContextInfo(arch_header, 1, False, layout, int(llm.n_ctx()), None, state.memory_kind)
     if layout is None or state.v_trans is None or state.n_stream is None:
         raise StateFormatError(f"cannot learn the KV layout of this context ({state.memory_kind} memory: "
                                f"{state.opaque_reason or state.split_reason or 'no cells'})")
+    # Sliding-window and hybrid memory: prefix chunks hold the first KV cache, the rest rides along.
     # Only what the model imposes counts here (what a context happens to hold may change).
+    kv = state.first_cache if state.has_rest else state
     reason = kv.split_reason if kv.cell_ext else None
     return ContextInfo(arch_header, state.n_stream, bool(state.v_trans), layout, int(llm.n_ctx()), reason,
                        state.memory_kind)

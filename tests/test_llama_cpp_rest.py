@@ -1,9 +1,11 @@
-"""In-process sessions and restores of states with a rest: Gemma 3's sliding window, lfm2's recurrent state.
+"""In-process sessions and restores of states with a rest: Gemma 3's sliding window, lfm2's and mamba2's
+recurrent state.
 
-Gemma 3 270M (real weights, ``n_swa`` 512) and a generated lfm2 (``tests/ggufgen.py``: attention
-layers 1 and 3, short convolutions in 0 and 2) each answer a prompt in one ``llama_cpp.Llama``
-(A), which saves the result as a session through a real Valkey (and, through its ``KVTierCache``,
-as prefix chunks plus a tail that carries the rest). A fresh ``Llama`` of the same model (B, its
+Gemma 3 270M (real weights, ``n_swa`` 512), a generated lfm2 (``tests/ggufgen.py``: attention
+layers 1 and 3, short convolutions in 0 and 2) and a generated mamba2 (recurrent memory alone)
+each answer a prompt in one ``llama_cpp.Llama`` (A), which saves the result as a session through
+a real Valkey (and, through its ``KVTierCache``, as prefix chunks plus a tail that carries the
+rest; for mamba2 one tail of every token, the whole recurrent state its rest). A fresh ``Llama`` of the same model (B, its
 own cache and store, so everything comes from Valkey) restores it and continues: the restored
 memory reads back byte for byte as A saved it, B evaluates only the new tokens and answers with
 the greedy tokens of A continuing its own context (same threads and batch size; both evaluate the
@@ -23,11 +25,12 @@ import numpy as np
 import pytest
 import redis
 
-from integrations.fingerprint import layout_fingerprint, model_identity
+from integrations.fingerprint import layout_fingerprint, memory_identity, model_identity
 from integrations.llama_cpp_cache import KVTierCache, restore_session, save_session
-from integrations.llama_cpp_state import load_seq_image, read_seq_image, whole_state_bytes
+from integrations.llama_cpp_state import load_seq_image, memory_layout, read_seq_image, whole_state_bytes
 from integrations.statefile import parse_state
 from integrations.swa import gguf_sliding_window
+from sidecar.watcher import _kv_layout
 from tests.ggufgen import ModelShape, write_random_model
 from tests.inprocess import counting_llama
 from tests.servers import RedisProc, gemma3_path, smollm2_path
@@ -43,7 +46,7 @@ SESSION = "user-7:chat"
 
 @dataclass(frozen=True, slots=True)
 class Saved:
-    kind: str  # the memory kind: kv_pair or hybrid
+    kind: str  # the memory kind: kv_pair, hybrid or recurrent
     model: str
     held: list[int]  # what A's context held when it saved
     image: bytes  # A's sequence state then (llama_state_seq_get_data, as a slot-file image)
@@ -81,7 +84,7 @@ def save_on_a(kind: str, model: str, prompt: list[int], follow: list[int], redis
             a.set_cache(cache)
             answer(a, prompt)
             save_session(a, SESSION)
-            assert cache.flush()
+            assert cache.flush() and cache.counters.saves == 1 and cache.counters.errors == 0
             held = a.input_ids[: a.n_tokens].tolist()
             image = bytes(read_seq_image(a))
             a.set_cache(None)
@@ -111,7 +114,14 @@ def hybrid(redis_srv: RedisProc, tmp_path_factory: pytest.TempPathFactory) -> Sa
     return save_on_a("hybrid", str(model), list(range(1000, 1400)), list(range(2000, 2010)), redis_srv.url)
 
 
-@pytest.fixture(params=["swa", "hybrid"], ids=["gemma3-swa", "lfm2-hybrid"])
+@pytest.fixture(scope="module")
+def recurrent(redis_srv: RedisProc, tmp_path_factory: pytest.TempPathFactory) -> Saved:
+    model = write_random_model(tmp_path_factory.mktemp("mamba2") / "mamba2.gguf", smollm2_path(),
+                               ModelShape(conv_kernel=4, ssm_state=16), arch="mamba2", seed=11)
+    return save_on_a("recurrent", str(model), list(range(1000, 1400)), list(range(2000, 2010)), redis_srv.url)
+
+
+@pytest.fixture(params=["swa", "hybrid", "recurrent"], ids=["gemma3-swa", "lfm2-hybrid", "mamba2-recurrent"])
 def saved(request: pytest.FixtureRequest) -> Saved:
     value: Saved = request.getfixturevalue(request.param)
     return value
@@ -142,6 +152,7 @@ def test_the_saved_state_carries_a_rest(saved: Saved) -> None:
         assert window.n_cells == N_SWA and int(window.pos.min()) == len(saved.held) - N_SWA
     else:
         assert st.recurrent is not None and st.recurrent.pos.tolist() == [len(saved.held) - 1]
+        assert st.tail_only == (saved.kind == "recurrent") and bool(st.caches) != st.tail_only
 
 
 def test_a_session_restores_the_same_memory_and_continues_like_a(saved: Saved, b: llama_cpp.Llama) -> None:
@@ -159,6 +170,7 @@ def test_the_prefix_cache_restores_the_whole_state(saved: Saved, b: llama_cpp.Ll
         b.set_cache(cache)
         assert answer(b, saved.held + saved.follow) == (saved.want, len(saved.follow))
         assert cache.counters.hits == 1 and cache.counters.tokens_restored == len(saved.held)
+        assert cache.counters.saves == 1 and cache.counters.errors == 0  # B's answer is stored in turn
 
 
 def test_a_prompt_that_stops_short_of_the_saved_state_restores_nothing(saved: Saved, b: llama_cpp.Llama) -> None:
@@ -225,26 +237,59 @@ def test_a_prompt_that_leaves_a_restored_window_early_is_computed_from_the_start
 # -- recurrent state ----------------------------------------------------------------------------------
 
 
-def test_a_recurrent_state_is_never_rewound(hybrid: Saved) -> None:
+@pytest.fixture(params=["hybrid", "recurrent"], ids=["lfm2-hybrid", "mamba2-recurrent"])
+def with_recurrent(request: pytest.FixtureRequest) -> Saved:
+    value: Saved = request.getfixturevalue(request.param)
+    return value
+
+
+def test_a_recurrent_state_is_never_rewound(with_recurrent: Saved) -> None:
     """llama.cpp refuses to cut a recurrent state back (``llama_memory_seq_rm`` false), so a
     prompt that repeats the saved tokens, or leaves them earlier, is computed from the start."""
-    early = hybrid.held[:300] + hybrid.follow
-    with on_b(hybrid) as reference:
+    saved = with_recurrent
+    early = saved.held[:300] + saved.follow
+    with on_b(saved) as reference:
         want = answer(reference, early)
-    with on_b(hybrid) as b, cache_of(b, hybrid) as cache:
-        for prompt in (hybrid.held, early):
-            assert restore_session(b, SESSION, cache=cache) == len(hybrid.held)
+    with on_b(saved) as b, cache_of(b, saved) as cache:
+        for prompt in (saved.held, early):
+            assert restore_session(b, SESSION, cache=cache) == len(saved.held)
             got = answer(b, prompt)
             assert got[1] == len(prompt)
         assert got == want
 
 
+def test_the_prefix_cache_restores_a_recurrent_state_only_for_a_prompt_that_continues_it(
+        with_recurrent: Saved) -> None:
+    """No shorter prefix can be cut from a recurrent state: a prompt that stops inside the saved
+    tokens, ends with them, or leaves them is computed from the start and answers as without the
+    cache; one that continues them restores them all."""
+    saved = with_recurrent
+    n = len(saved.held)
+    prompts = [saved.held[:300], saved.held, saved.held[:300] + saved.follow, saved.held[: n - 1] + saved.follow]
+    with on_b(saved) as reference:
+        want = [answer(reference, p) for p in prompts]
+    for prompt, expected in zip(prompts, want, strict=True):
+        with on_b(saved) as b, cache_of(b, saved) as cache:
+            assert cache.lookup(prompt) == 0 and prompt not in cache
+            b.set_cache(cache)
+            assert answer(b, prompt) == expected and expected[1] == len(prompt)
+            assert cache.counters.hits == 0 and cache.counters.errors == 0
+    with on_b(saved) as b, cache_of(b, saved) as cache:
+        assert cache.lookup(saved.held + saved.follow) == n and saved.held + saved.follow in cache
+
+
 def test_the_namespace_is_the_sidecars(saved: Saved, b: llama_cpp.Llama) -> None:
     """A state with a rest is another format than a plain cache of the same layers: its own
-    namespace, keyed as the sidecar keys it (model identity and memory kind, first cache's layout)."""
+    namespace, keyed as the sidecar keys it (model identity and memory kind, then the first cache's
+    layout; for recurrent memory alone its recurrent layers' types and row sizes), with the
+    sidecar's own function (``sidecar.watcher``) for what the fingerprint covers."""
     st = parse_state(saved.image)
     identity = f"{model_identity(saved.model)}|memory={saved.kind}"
+    assert memory_identity(model_identity(saved.model), saved.kind) == identity
+    layout = _kv_layout(st)
+    assert layout is not None and memory_layout(st) == layout
     with cache_of(b, saved) as cache:
-        assert cache.namespace.id == Namespace(layout_fingerprint(identity, st.first_cache), chunk_tokens=CHUNK).id
+        assert cache.info.layout == layout
+        assert cache.namespace.id == Namespace(layout_fingerprint(identity, layout), chunk_tokens=CHUNK).id
         with redis.Redis.from_url(saved.redis_url) as r:
             assert r.keys(f"kvtier:{cache.namespace.id}:*")
