@@ -28,7 +28,7 @@ from tiers.keys import Namespace
 
 from .chunks import ChunkInfo, read_chunk_header
 from .recurrentstate import RecurrentState
-from .statefile import KVCache, KVStream, SeqState, StateLayout, ggml_type_name, parse_state
+from .statefile import KVCache, KVStream, LayerLayout, SeqState, StateLayout, ggml_type_name, parse_state
 
 BLOCK_BYTES = 8 << 20  # 8 MiB reads while hashing a model
 CACHE_FILE = "model-ids.json"
@@ -127,6 +127,20 @@ def memory_identity(model_id: str, memory_kind: str) -> str:
     """The model identity a namespace is keyed by: a state with a rest (``kv_pair``, ``hybrid``)
     is another format than a plain cache of the same layers, so it gets its own namespace."""
     return model_id if memory_kind == "kv" else f"{model_id}|memory={memory_kind}"
+
+
+def memory_layout(state: SeqState) -> StateLayout | None:
+    """What a namespace of ``state``'s model is keyed by, with ``memory_identity``: the KV layout
+    prefix chunks hold (the first cache's, for a state with a rest); for recurrent memory alone,
+    what its one tail's bytes depend on instead, each recurrent layer's R (in the K fields) and S
+    (in the V fields) type and row size. None when there is neither. The sidecar and the
+    in-process cache both key by it, so their states cross."""
+    if state.tail_only:
+        assert state.recurrent is not None
+        return StateLayout(tuple(LayerLayout(la.r_type, la.r_row_size, la.s_type, la.s_row_size)
+                                 for la in state.recurrent.layers))
+    kv = state.first_cache if state.has_rest else state
+    return kv.layout if kv.memory_kind == "kv" else None
 
 
 def layout_fingerprint(

@@ -31,7 +31,7 @@ padding kvtier adds below a cut window is not needed here, and harmless (masked)
 Recurrent-only models (Mamba 2, RWKV) store as on the sidecar too: no chunk, one tail of every
 token whose rest is the whole recurrent state, looked up as the longest stored state the prompt
 continues (``kvflow.find_prefix(tail_only=True)``), in the sidecar's namespace for them (keyed by
-the recurrent layers' types and row sizes: ``llama_cpp_state.memory_layout``). Each completion
+the recurrent layers' types and row sizes: ``fingerprint.memory_layout``). Each completion
 stores its whole state (replacing the one this context stored before, when it continues it); a
 prompt that stops inside a stored state, ends with it, or leaves it, is computed from the start:
 llama.cpp cannot rewind a recurrent state, and the last prompt token is always evaluated.

@@ -31,11 +31,11 @@ import numpy as np
 from tiers.errors import KVTierError, StateFormatError
 from tiers.keys import as_token_array
 
+from .fingerprint import memory_layout
 from .statefile import (
     GGSQ_MAGIC,
     GGSQ_VERSION,
     HEADER_BYTES,
-    LayerLayout,
     SeqState,
     StateLayout,
     alloc_buffer,
@@ -267,19 +267,6 @@ def load_seq_image(llm: Any, image: bytes | bytearray | memoryview | np.ndarray,
     llm.n_tokens = n
     llm._requires_eval = True  # restored memory carries no logits: decode before sampling
     return n
-
-
-def memory_layout(state: SeqState) -> StateLayout | None:
-    """What a namespace of ``state``'s model is keyed by, as the sidecar keys it: the KV layout
-    prefix chunks hold (the first cache's, for a state with a rest); for recurrent memory alone,
-    what its one tail's bytes depend on instead, each recurrent layer's R (in the K fields) and S
-    (in the V fields) type and row size. None when there is neither."""
-    if state.tail_only:
-        assert state.recurrent is not None
-        return StateLayout(tuple(LayerLayout(la.r_type, la.r_row_size, la.s_type, la.s_row_size)
-                                 for la in state.recurrent.layers))
-    kv = state.first_cache if state.has_rest else state
-    return kv.layout if kv.memory_kind == "kv" else None
 
 
 def probe_context(llm: Any) -> ContextInfo:

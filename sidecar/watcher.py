@@ -25,9 +25,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from integrations.fingerprint import layout_fingerprint, memory_identity, model_identity
+from integrations.fingerprint import layout_fingerprint, memory_identity, memory_layout, model_identity
 from integrations.llama_server import LlamaServerClient, LlamaServerError
-from integrations.statefile import LayerLayout, SeqState, StateLayout
+from integrations.statefile import SeqState
 from tiers.errors import KVTierError
 from tiers.keys import Namespace
 
@@ -148,7 +148,7 @@ class ServerWatcher:
         for slot in range(n_slots):
             state = await self.files.save(slot, "probe")
             n_stream = state.n_stream or n_stream
-            if _kv_layout(state) is not None:
+            if memory_layout(state) is not None:
                 layout_state = layout_state or state
                 if state.store_reason is None:
                     table.set_tokens(slot, state.tokens.tokens.copy())
@@ -157,7 +157,7 @@ class ServerWatcher:
                                           "temperature": 0})
             layout_state = await self.files.save(0, "probe")
             await self.client.erase_slot(0)
-        layout = _kv_layout(layout_state)
+        layout = memory_layout(layout_state)
         v_trans = layout_state.v_trans if not layout_state.tail_only else False  # no V to lay out
         if layout is None or v_trans is None:
             raise LlamaServerError("could not learn the KV layout from a saved slot")
@@ -304,17 +304,6 @@ class ServerWatcher:
 _MEMORY_NAMES = {"kv": "one KV cache", "kv_pair": "KV cache + sliding window (restored whole)",
                  "hybrid": "KV cache + recurrent state (restored whole)",
                  "recurrent": "recurrent state alone (restored whole, one tail per state)"}
-
-
-def _kv_layout(state: SeqState) -> StateLayout | None:
-    """The layout of the KV cache prefix chunks hold: the first cache's, for a state with a rest.
-    For recurrent memory alone, what its one tail's bytes depend on instead: each recurrent
-    layer's R (in the K fields) and S (in the V fields) type and row size."""
-    if state.tail_only:
-        assert state.recurrent is not None
-        return StateLayout(tuple(LayerLayout(la.r_type, la.r_row_size, la.s_type, la.s_row_size)
-                                 for la in state.recurrent.layers))
-    return state.first_cache.layout if state.has_rest else state.layout
 
 
 def _restarted_since(table: SlotTable, infos: list[dict[str, Any]]) -> bool:

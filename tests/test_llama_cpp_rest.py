@@ -25,12 +25,11 @@ import numpy as np
 import pytest
 import redis
 
-from integrations.fingerprint import layout_fingerprint, memory_identity, model_identity
+from integrations.fingerprint import layout_fingerprint, memory_identity, memory_layout, model_identity
 from integrations.llama_cpp_cache import KVTierCache, restore_session, save_session
-from integrations.llama_cpp_state import load_seq_image, memory_layout, read_seq_image, whole_state_bytes
+from integrations.llama_cpp_state import load_seq_image, read_seq_image, whole_state_bytes
 from integrations.statefile import parse_state
 from integrations.swa import gguf_sliding_window
-from sidecar.watcher import _kv_layout
 from tests.ggufgen import ModelShape, write_random_model
 from tests.inprocess import counting_llama
 from tests.servers import RedisProc, gemma3_path, smollm2_path
@@ -282,12 +281,12 @@ def test_the_namespace_is_the_sidecars(saved: Saved, b: llama_cpp.Llama) -> None
     """A state with a rest is another format than a plain cache of the same layers: its own
     namespace, keyed as the sidecar keys it (model identity and memory kind, then the first cache's
     layout; for recurrent memory alone its recurrent layers' types and row sizes), with the
-    sidecar's own function (``sidecar.watcher``) for what the fingerprint covers."""
+    function the sidecar keys by (``fingerprint.memory_layout``) for what the fingerprint covers."""
     st = parse_state(saved.image)
     identity = f"{model_identity(saved.model)}|memory={saved.kind}"
     assert memory_identity(model_identity(saved.model), saved.kind) == identity
-    layout = _kv_layout(st)
-    assert layout is not None and memory_layout(st) == layout
+    layout = memory_layout(st)  # what the sidecar's watcher keys its namespace by
+    assert layout is not None
     with cache_of(b, saved) as cache:
         assert cache.info.layout == layout
         assert cache.namespace.id == Namespace(layout_fingerprint(identity, layout), chunk_tokens=CHUNK).id
