@@ -44,8 +44,11 @@ class RestorePlanner:
         C = namespace.chunk_tokens
         if target.memory_kind in self.off:
             return None
-        if restorable_tokens(int(tokens.size), target.n_ctx_slot) // C * C <= cached:
-            return None  # the slot holds every full chunk a restore could bring
+        limit = restorable_tokens(int(tokens.size), target.n_ctx_slot)
+        # The slot holds every full chunk a restore could bring; a whole state (a rest in its
+        # tail) may be shorter than a chunk, so for those only the whole restorable length counts.
+        if (limit if target.whole else limit // C * C) <= cached:
+            return None
         found = await find_prefix(self.store, namespace, tokens, n_ctx=target.n_ctx_slot, whole=target.whole,
                                   tail_only=target.tail_only)
         ended = await self.wait_for_save(namespace, tokens, found, max(found.n_tokens, cached), target, slot)

@@ -187,6 +187,18 @@ async def test_planner_restores_only_what_pays() -> None:
     assert small is not None and small.n_tokens == 128  # 11 more tokens would fit: less than a step
 
 
+async def test_a_whole_state_shorter_than_a_chunk_is_planned_too() -> None:
+    """Recurrent memory alone: a state of fewer tokens than a chunk is still its one tail, and the
+    planner looks it up (a plain KV cache would restore no full chunk of it)."""
+    store = memory_store()
+    lg = logical(C - 10, seed=7)
+    await kvflow.store_state(store, NS, parse_state(ref_file(lg, memory=ref_recurrent(C - 11))))
+    tokens = np.asarray(lg.tokens + [1, 2], np.int32)
+    recurrent = Target(1, 1, False, "m", NS, 0, 0, "recurrent")
+    found = await RestorePlanner(store, CostModel(prefill_tps=50), Metrics()).plan(NS, tokens, 0, recurrent, slot=0)
+    assert found is not None and found.n_tokens == C - 10
+
+
 def test_restores_thrown_away_stop_restores_of_that_layout() -> None:
     metrics = Metrics()
     planner = RestorePlanner(memory_store(), CostModel(prefill_tps=50), metrics)
