@@ -35,7 +35,7 @@ from tiers.store import FetchResult, TieredStore
 from .config import Settings
 from .costmodel import CostModel
 from .metrics import Metrics
-from .planner import RestorePlanner
+from .planner import EarlyLookup, RestorePlanner
 from .prompts import Prompt, PromptTokens
 from .restorer import Restored, RestoreWriter
 from .saver import Saver
@@ -157,7 +157,8 @@ class KVEngine:
 
     async def prepare(self, prompt: Prompt, *, want_slot: int | None = None, salt: str = "",
                       timeout: float | None = None, session_id: str | None = None,
-                      since: float | None = None, asked: Asked = (), prompt_end: bool = False) -> RequestPlan:
+                      since: float | None = None, asked: Asked = (), prompt_end: bool = False,
+                      early: EarlyLookup | None = None) -> RequestPlan:
         """Take a slot for ``prompt``'s tokens and restore the longest worthwhile prefix into it.
 
         The slot is released by ``finish`` (after the answer and its save), or here when this
@@ -173,6 +174,8 @@ class KVEngine:
                 the answer for its follow-ups.
             prompt_end: also save the state at the prompt's end (``--save-prompt-end``), for a
                 memory with a rest (``Saver.save_prompt_end``).
+            early: the route check's lookup of ``tokens``, planned with while fresh (no second
+                round trip to the tiers).
         """
         target, table = self.watcher.target, self.watcher.slots
         if target is None or table is None:
@@ -189,7 +192,7 @@ class KVEngine:
             if session_id is not None:
                 self.session_slots[session_id] = lease.slot
             t1 = time.perf_counter()
-            await self._restore(plan, target)
+            await self._restore(plan, target, early)
             if prompt_end and target.whole and tokens.size - max(plan.restored_tokens, lease.cached_tokens) > 1:
                 await self.saver.save_prompt_end(table, lease.slot, plan.namespace, tokens, owner=salt)
         except BaseException:
@@ -201,7 +204,7 @@ class KVEngine:
         self.metrics.tokens_slot_reused.inc(lease.cached_tokens)
         return plan
 
-    async def _restore(self, plan: RequestPlan, target: Target) -> None:
+    async def _restore(self, plan: RequestPlan, target: Target, early: EarlyLookup | None = None) -> None:
         """Restore the request's session, else the longest worthwhile prefix; failures recompute."""
         lease = plan.lease
         try:
@@ -214,7 +217,8 @@ class KVEngine:
                 return
             # No session, or it could not be restored: the longest prefix the tiers hold, as for any
             # request (with Redis down, the local tiers may hold it).
-            found = await self.planner.plan(plan.namespace, plan.tokens, lease.cached_tokens, target, lease.slot)
+            found = await self.planner.plan(plan.namespace, plan.tokens, lease.cached_tokens, target, lease.slot,
+                                            early)
             if found is None:
                 return
             restored = await self.restorer.restore_prefix(lease, plan.namespace, found, plan.tokens, target,

@@ -2,8 +2,8 @@
 
 On a completion whose prompt tokens are known, before a slot is taken, ``Forwarder.route`` asks
 the fleet view (``sidecar.fleet``) which live peers hold the prompt's prefix in an idle slot, and
-the local tiers how much this node could restore, in parallel (one round trip's latency). The cost
-model then compares, in seconds until the prompt is computed:
+the local tiers how much this node could restore, in parallel (one round trip's latency; a request
+served here is planned with that lookup, ``planner.EarlyLookup``). The cost model then compares, in seconds until the prompt is computed:
 
     here    = local wait + min(recompute what the slot lacks,
                                restore what the tiers hold + recompute the rest)
@@ -47,6 +47,7 @@ from .costmodel import CostModel
 from .fleet import Fleet, PeerHeat, local_wait_s
 from .logs import request_id
 from .metrics import LATENCY_BUCKETS
+from .planner import EarlyLookup
 from .watcher import Target
 
 log = logging.getLogger("kvtier.forward")
@@ -150,26 +151,31 @@ class Forwarder:
         await self.session.close()
 
     async def route(self, target: Target, namespace: Namespace, tokens: np.ndarray, here_cached: int,
-                    local_wait: float) -> Route | None:
-        """Where a request for ``tokens`` (this tenant's ``namespace``) is best served; None when
-        no peer holds more of it than this node's slot (or the view cannot be read)."""
+                    local_wait: float) -> tuple[Route | None, EarlyLookup | None]:
+        """Where a request for ``tokens`` (this tenant's ``namespace``) is best served (None when
+        no peer holds more of it than this node's slot, or the view cannot be read), and what the
+        local tiers hold of it (the planner's lookup, when it is served here)."""
         if not self.fleet.peers:
-            return None  # nobody to forward to: no lookup at all
+            return None, None  # nobody to forward to: no lookup at all
         C = namespace.chunk_tokens
         limit = restorable_tokens(int(tokens.size), target.n_ctx_slot)
         chain = prefix_chain(namespace, tokens, limit // C)
+        at = time.perf_counter()
         try:
-            peers, found = await asyncio.gather(self.fleet.lookup(namespace, tokens[:limit], chain),
-                                                find_prefix(self.store, namespace, tokens, n_ctx=target.n_ctx_slot))
+            peers, found = await asyncio.gather(
+                self.fleet.lookup(namespace, tokens[:limit], chain),
+                find_prefix(self.store, namespace, tokens, n_ctx=target.n_ctx_slot, whole=target.whole,
+                            tail_only=target.tail_only))
         except KVTierError as exc:
             log.debug("fleet view not read: %s", exc)
-            return None
+            return None, None
+        early = EarlyLookup(namespace, found, at)
         peers = [PeerHeat(p.status, min(p.hot_tokens, limit)) for p in peers]
         if not any(p.hot_tokens > here_cached for p in peers):
-            return None
+            return None, early
         return choose_route(int(tokens.size), here_cached, found.n_tokens,
                             found.bytes_by_tier(C, target.bytes_per_token), peers, self.cost,
-                            local_wait=local_wait, in_flight=self.fleet.in_flight)
+                            local_wait=local_wait, in_flight=self.fleet.in_flight), early
 
     async def forward(self, request: web.Request, raw: bytes, route: Route) -> web.StreamResponse | None:
         """Send the request to ``route.peer`` and relay its answer; None when this node must serve
@@ -274,30 +280,30 @@ def here_cached(target: Target, tokens: np.ndarray, salt: str, slots: list[tuple
 
 
 async def route_or_none(forwarder: Forwarder, request: web.Request, raw: bytes, tokens: np.ndarray,
-                        salt: str) -> web.StreamResponse | None:
+                        salt: str) -> tuple[web.StreamResponse | None, EarlyLookup | None]:
     """The peer's answer when the request for ``tokens`` (tenant ``salt``) is better served
-    there; None: serve it here."""
+    there; None: serve it here, with what the local tiers hold of it when they were looked up."""
     target, table = forwarder.fleet.watcher.target, forwarder.fleet.watcher.slots
     if target is None or table is None:
-        return None
+        return None, None
     namespace = target.namespace_for(salt)
     t0 = time.perf_counter()
     cached = here_cached(target, tokens, salt, [(*s.hot(), not s.busy or s.saving) for s in table.slots])
-    route = await forwarder.route(target, namespace, tokens, cached,
-                                  local_wait_s(table, forwarder.fleet.service_s.value))
+    route, early = await forwarder.route(target, namespace, tokens, cached,
+                                         local_wait_s(table, forwarder.fleet.service_s.value))
     if route is None or route.peer is None:
         forwarder.metrics.decisions.labels("served_here").inc()
         if route is not None:
             log.info("serving here: predicted %.0f ms, against %.0f ms at the best peer", route.here_s * 1e3,
                      route.peer_s * 1e3)
-        return None
+        return None, early
     log.debug("route decided in %.1f ms", (time.perf_counter() - t0) * 1e3)
     t1 = time.perf_counter()
     answer = await forwarder.forward(request, raw, route)
     if answer is None:
         forwarder.metrics.decisions.labels("fallback").inc()
         forwarder.metrics.fallback_seconds.observe(time.perf_counter() - t1)
-    return answer
+    return answer, early
 
 
 async def fleet_resources(app: web.Application) -> AsyncIterator[None]:

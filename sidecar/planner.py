@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -23,6 +24,24 @@ log = logging.getLogger("kvtier.engine")
 
 NOTHING_FOUND = PrefixFound(LookupResult(0, [], []), None)  # what a lookup of no stored chunk finds
 WASTED_LIMIT = 3  # restores in a row llama-server throws away before restores stop for that layout
+# How old a lookup made before the slot was taken (the route check) may be and still be planned
+# with. Older (the request waited for a slot), a save may have landed and cleared its marks since.
+EARLY_LOOKUP_S = 0.05
+
+
+@dataclass(frozen=True, slots=True)
+class EarlyLookup:
+    """What the tiers held of a prompt when the route check looked, before a slot was taken."""
+
+    namespace: Namespace
+    found: PrefixFound
+    at: float  # time.perf_counter() of the lookup
+
+    def fresh_for(self, namespace: Namespace) -> PrefixFound | None:
+        """The lookup, when it was of ``namespace`` and is recent enough to plan with."""
+        if self.namespace != namespace or time.perf_counter() - self.at > EARLY_LOOKUP_S:
+            return None
+        return self.found
 
 
 class RestorePlanner:
@@ -39,8 +58,9 @@ class RestorePlanner:
         self.off: set[str] = set()  # layouts restores are off for, until kvtier restarts
 
     async def plan(self, namespace: Namespace, tokens: np.ndarray, cached: int, target: Target,
-                   slot: int) -> PrefixFound | None:
-        """The prefix worth restoring into a slot that holds ``cached`` tokens of ``tokens``, or None."""
+                   slot: int, early: EarlyLookup | None = None) -> PrefixFound | None:
+        """The prefix worth restoring into a slot that holds ``cached`` tokens of ``tokens``, or None.
+        ``early``: the route check's lookup of the same tokens, planned with while it is fresh."""
         C = namespace.chunk_tokens
         if target.memory_kind in self.off:
             return None
@@ -49,8 +69,10 @@ class RestorePlanner:
         # tail) may be shorter than a chunk, so for those only the whole restorable length counts.
         if (limit if target.whole else limit // C * C) <= cached:
             return None
-        found = await find_prefix(self.store, namespace, tokens, n_ctx=target.n_ctx_slot, whole=target.whole,
-                                  tail_only=target.tail_only)
+        found = early.fresh_for(namespace) if early is not None else None
+        if found is None:
+            found = await find_prefix(self.store, namespace, tokens, n_ctx=target.n_ctx_slot, whole=target.whole,
+                                      tail_only=target.tail_only)
         ended = await self.wait_for_save(namespace, tokens, found, max(found.n_tokens, cached), target, slot)
         if ended is not None:
             before, found = found.n_tokens, await find_prefix(self.store, namespace, tokens, n_ctx=target.n_ctx_slot,

@@ -201,16 +201,17 @@ async def _completion(request: web.Request, kind: str) -> web.StreamResponse:
                 validate_session_id(session_id)
             except ValueError as exc:
                 return json_error(400, f"X-Session-Id: {exc}")
+        early = None
         if forwarder is not None:
             # Before a slot is taken: a peer holding this prompt hot may answer it sooner.
-            answer = await route_or_none(forwarder, request, raw, prompt.tokens, salt)
+            answer, early = await route_or_none(forwarder, request, raw, prompt.tokens, salt)
             if answer is not None:
                 metrics.requests.labels(kind, "forwarded").inc()
                 return answer
         # A LoRA chosen per request would not be the one the state at the prompt's end is computed with.
         prompt_end = request.app[SETTINGS].save_prompt_end and "lora" not in body
         plan = await engine.prepare(prompt, want_slot=want, salt=salt, session_id=session_id, since=started,
-                                    asked=asked or (), prompt_end=prompt_end)
+                                    asked=asked or (), prompt_end=prompt_end, early=early)
     relay = Relay()
     try:
         headers = {

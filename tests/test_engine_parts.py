@@ -8,6 +8,7 @@ memory tier; the same parts meet real llama-servers in test_sidecar.py and test_
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from sidecar.config import Settings
 from sidecar.costmodel import CostModel
 from sidecar.engine import KVEngine
 from sidecar.metrics import Metrics
-from sidecar.planner import WASTED_LIMIT, RestorePlanner
+from sidecar.planner import EARLY_LOOKUP_S, WASTED_LIMIT, EarlyLookup, RestorePlanner
 from sidecar.prompts import Prompt
 from sidecar.slots import SlotTable
 from sidecar.watcher import Target
@@ -197,6 +198,33 @@ async def test_a_whole_state_shorter_than_a_chunk_is_planned_too() -> None:
     recurrent = Target(1, 1, False, "m", NS, 0, 0, "recurrent")
     found = await RestorePlanner(store, CostModel(prefill_tps=50), Metrics()).plan(NS, tokens, 0, recurrent, slot=0)
     assert found is not None and found.n_tokens == C - 10
+
+
+async def test_the_route_checks_lookup_is_planned_with_while_fresh() -> None:
+    """A request served here after the route check does not look the tiers up a second time,
+    unless the lookup was of another namespace or has gone stale (a slot wait came between)."""
+    store = memory_store()
+    lg = logical(300, seed=8)
+    await kvflow.store_state(store, NS, state_of(lg))
+    tokens = np.asarray(lg.tokens + [1, 2], np.int32)
+    lookups = 0
+    lookup_chain = store.lookup_chain
+
+    async def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        nonlocal lookups
+        lookups += 1
+        return await lookup_chain(*args, **kwargs)
+
+    store.lookup_chain = counted  # type: ignore[method-assign]
+    found = await kvflow.find_prefix(store, NS, tokens)
+    planner = RestorePlanner(store, CostModel(prefill_tps=50), Metrics())
+    lookups = 0
+    planned = await planner.plan(NS, tokens, 0, target(), slot=0, early=EarlyLookup(NS, found, time.perf_counter()))
+    assert planned is found and lookups == 0
+    stale = EarlyLookup(NS, found, time.perf_counter() - 2 * EARLY_LOOKUP_S)
+    assert (await planner.plan(NS, tokens, 0, target(), slot=0, early=stale)) is not None and lookups == 1
+    other = EarlyLookup(NS.salted("tenant-b"), found, time.perf_counter())
+    assert (await planner.plan(NS, tokens, 0, target(), slot=0, early=other)) is not None and lookups == 2
 
 
 def test_restores_thrown_away_stop_restores_of_that_layout() -> None:

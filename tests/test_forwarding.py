@@ -24,6 +24,7 @@ import pytest_asyncio
 import redis
 
 from launch import Node
+from sidecar import planner
 from sidecar.appkeys import FORWARDER, METRICS
 from sidecar.cli_client import summarize_metrics
 from sidecar.config import Settings
@@ -129,7 +130,8 @@ async def test_a_turn_on_the_wrong_node_is_forwarded_where_it_is_hot(
     assert routing["forwarded"] == 1 and routing["bytes_not_moved"] == b.metric("kvtier_route_bytes_not_moved_total")
 
 
-async def test_a_busy_peer_is_not_chosen(fleet: tuple[Sidecar, Sidecar, redis.Redis]) -> None:
+async def test_a_busy_peer_is_not_chosen(fleet: tuple[Sidecar, Sidecar, redis.Redis],
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
     a, b, r = fleet
     first = await post(a.url + "/v1/chat/completions", chat([], "What does room 5 hold?"),
                        headers={**AUTH, "X-KVTier-Salt": "t3"})
@@ -145,6 +147,9 @@ async def test_a_busy_peer_is_not_chosen(fleet: tuple[Sidecar, Sidecar, redis.Re
     try:
         await until(lambda: _async((s := status_of(r, "a")) is not None and s.queue >= 1), what="A queues")
         decided = b.metric("kvtier_route_decisions_total", decision="served_here")
+        # The route check's lookup is the one B restores by (fresh however slow this machine is).
+        monkeypatch.setattr(planner, "EARLY_LOOKUP_S", 60.0)
+        lookups = count_calls(monkeypatch, b.store, "lookup_chain")
         answer = await post(b.url + "/v1/chat/completions", turn_two(first, "What does room 5 hold?"),
                             headers={**AUTH, "X-KVTier-Salt": "t3"})
     finally:
@@ -153,6 +158,20 @@ async def test_a_busy_peer_is_not_chosen(fleet: tuple[Sidecar, Sidecar, redis.Re
     assert answer.status == 200 and FORWARDED_TO_HEADER not in answer.headers
     assert b.metric("kvtier_route_decisions_total", decision="served_here") == decided + 1
     assert answer.restored > 10 * CHUNK and answer.prompt_n < CHUNK  # restored on B instead
+    assert lookups == [1]  # the tiers were looked up once, not again once a slot was taken
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, obj: object, name: str) -> list[int]:
+    """Count the calls of ``obj.name`` (a coroutine method) from now on, in a one-item list."""
+    calls = [0]
+    method = getattr(obj, name)
+
+    async def counted(*args: object, **kwargs: object) -> object:
+        calls[0] += 1
+        return await method(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, counted)
+    return calls
 
 
 async def test_a_forwarded_request_is_never_forwarded_again(fleet: tuple[Sidecar, Sidecar, redis.Redis]) -> None:
