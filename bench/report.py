@@ -98,14 +98,14 @@ PRESETS: dict[str, dict[str, Any]] = {
              "mu_system": 1000, "mu_context": 300, "short_lengths": [64, 128, 256], "agent_histories": [2000, 6000],
              "agent_turns": 5, "restart_history": 2200, "restart_turns": 6, "readable_sizes": [2048, 8000],
              "routing_nodes": 3, "routing_conversations": 6, "routing_doc": 2000, "routing_turns": 4,
-             "routing_private": 400,
+             "routing_private": 400, "routing_slots": 2,
              "types_history": 2000},
     "quick": {"sessions": 10, "system_tokens": 600, "own_tokens": 150, "turns": 12, "turn_system": 300,
               "turn_tokens": 30, "move_sizes": [512, 2048], "reps": 3, "users": 3, "rounds": 3,
               "mu_system": 400, "mu_context": 120, "short_lengths": [64, 128], "agent_histories": [2000],
               "agent_turns": 4, "restart_history": 1000, "restart_turns": 4, "readable_sizes": [2048],
               "routing_nodes": 2, "routing_conversations": 3, "routing_doc": 600, "routing_turns": 3,
-              "routing_private": 200,
+              "routing_private": 200, "routing_slots": 2,
               "types_history": 1000},
 }
 
@@ -285,7 +285,8 @@ async def run_all(a: argparse.Namespace, preset: dict[str, Any], redis_url: str,
                                                                    a.max_tokens, prog),
             "routing": lambda: routing.scenario_routing(
                 redis_url, preset["routing_nodes"], preset["routing_conversations"], preset["routing_doc"],
-                preset["routing_turns"], preset["routing_private"], a.threads, a.max_tokens, prog),
+                preset["routing_turns"], preset["routing_private"], preset["routing_slots"], a.threads, a.max_tokens,
+                prog),
         }
         for name in SCENARIOS:
             if name not in a.scenarios:

@@ -38,19 +38,19 @@ THINK_S = (1.0, 2.0)
 
 
 async def scenario_routing(redis_url: str, nodes: int, conversations: int, doc_tokens: int, turns: int,
-                           private_tokens: int, threads: int, max_tokens: int,
+                           private_tokens: int, slots: int, threads: int, max_tokens: int,
                            prog: Progress | None = None) -> dict[str, Any]:
     """Per mode, ``conversations`` conversations of ``turns`` turns at once over ``nodes`` nodes
-    (``-np 2``), each turn with ``private_tokens`` of its own notes."""
-    ctx = 2 * (doc_tokens + turns * (private_tokens + 60 + max_tokens) + 256)
+    of ``slots`` slots each, each turn with ``private_tokens`` of its own notes."""
+    ctx = slots * (doc_tokens + turns * (private_tokens + 60 + max_tokens) + 256)
     task = prog.add_task("routing", total=len(MODES) * conversations * turns) if prog else None
     out: dict[str, Any] = {"nodes": nodes, "conversations": conversations, "doc_tokens": doc_tokens, "turns": turns,
-                           "private_tokens": private_tokens, "modes": {}}
+                           "private_tokens": private_tokens, "slots": slots, "modes": {}}
     doc = document(doc_tokens, 70)
     for mode, spec in MODES.items():
         await redis_flush(redis_url)
         sidecar = bool(spec["sidecar"])
-        with cluster(nodes, base_llama_args(ctx, threads, extra=["-np", "2"]), sidecar=sidecar,
+        with cluster(nodes, base_llama_args(ctx, threads, extra=["-np", str(slots)]), sidecar=sidecar,
                      redis_url=redis_url if sidecar else None, sidecar_args=spec["args"], advertise=sidecar) as cl:
             async with client_session() as s:
                 before = [await scrape(s, cl.url(i)) for i in range(nodes)] if sidecar else []
@@ -130,7 +130,7 @@ def md_routing(sc: dict[str, Any], md_table: Any) -> str:
 ## Routing: round robin in front, with and without forwarding
 
 {rt['conversations']} conversations at once over one {rt['doc_tokens']:,}-token document, each turn with
-~{rt.get('private_tokens', 0):,} tokens of the user's own notes and a question, {rt['turns']} turns, 1-2 s of think time between turns, over {rt['nodes']} nodes (`-np 2`), every
+~{rt.get('private_tokens', 0):,} tokens of the user's own notes and a question, {rt['turns']} turns, 1-2 s of think time between turns, over {rt['nodes']} nodes (`-np {rt.get('slots', 2)}`), every
 turn sent to the next node in a round robin (a plain Service). *sticky* keeps each conversation on one node
 (ideal affinity); *restore-only* is kvtier as it was, restoring a history on whichever node the turn lands;
 *forward* adds `--forward`: a turn that lands away from its history goes to the node that holds it hot when
