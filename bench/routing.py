@@ -134,7 +134,7 @@ def md_routing(sc: dict[str, Any], md_table: Any) -> str:
 turn sent to the next node in a round robin (a plain Service). *sticky* keeps each conversation on one node
 (ideal affinity); *restore-only* is kvtier as it was, restoring a history on whichever node the turn lands;
 *forward* adds `--forward`: a turn that lands away from its history goes to the node that holds it hot when
-the cost model (the peer's queue included) says it answers sooner. TTFT over turns 2 and later; throughput
+the cost model (the peer's queue and computing slots included) says it answers sooner. TTFT over turns 2 and later; throughput
 over the whole run (think time included, the same in every mode).
 
 """

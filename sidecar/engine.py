@@ -71,6 +71,7 @@ class RequestPlan:
     # when there is none), so the restore does not wait for a manifest write.
     restored_session: Manifest | None = None
     epoch: int = 0  # the server watcher's epoch it was planned in: a save after a change is not stored
+    sharing: int = 0  # other slots computing when it got its slot (the prefill rate is learned by it)
 
     def took(self, restored: Restored) -> None:
         self.restored_tokens, self.restore_tier, self.restore_ms = restored.n_tokens, restored.tier, restored.ms
@@ -149,7 +150,7 @@ class KVEngine:
         if lease is None:
             return None
         plan = RequestPlan(NO_TOKENS, lease, target.namespace_for(salt), salt, asked=asked, follow_up=True,
-                           epoch=self.watcher.epoch)
+                           epoch=self.watcher.epoch, sharing=table.computing - 1)
         plan.overhead_ms = (time.perf_counter() - since) * 1000 if since is not None else 0.0
         self.metrics.overhead_seconds.observe(plan.overhead_ms / 1000)
         self.metrics.follow_ups.inc()
@@ -188,7 +189,7 @@ class KVEngine:
             lease = await table.acquire(tokens, want=want_slot, timeout=timeout, owner=salt)
             self.metrics.slot_queue.set(table.queue_depth)
             plan = RequestPlan(tokens, lease, target.namespace_for(salt), salt, session_id, prompt, asked=asked,
-                               epoch=self.watcher.epoch)
+                               epoch=self.watcher.epoch, sharing=table.computing - 1)
             if session_id is not None:
                 self.session_slots[session_id] = lease.slot
             t1 = time.perf_counter()
@@ -323,7 +324,8 @@ class KVEngine:
         target = self.watcher.target
         if answer is not None and not self.planner.learn(
                 Timings.from_answer(answer), int(plan.tokens.size), expected, lease.slot, follow_up=plan.follow_up,
-                restored=plan.restored_tokens, layout=target.memory_kind if target is not None else "kv"):
+                restored=plan.restored_tokens, layout=target.memory_kind if target is not None else "kv",
+                sharing=plan.sharing):
             self.watcher.doubt()  # a restart it has not noticed yet? Check before the next request
         if plan.fetched is not None:
             fetched, plan.fetched = plan.fetched, None

@@ -123,6 +123,10 @@ class NodeStatus:
         ahead = self.busy + self.queue + extra + 1 - n
         return max(ahead, 0) / n * self.service_s
 
+    def sharing(self, extra: int = 0) -> int:
+        """Requests a new one would be computed beside here (``sharing``), ``extra`` sent included."""
+        return sharing(self.busy + extra, max(len(self.slots), 1))
+
 
 @dataclass(frozen=True, slots=True)
 class PeerHeat:
@@ -215,8 +219,8 @@ class Fleet:
             for h in chain:
                 fields[h] = fields.get(h, 0) | 1 << s.id
             heats.append(SlotHeat(int(tokens.size), not s.busy or s.saving, tail))
-        busy = sum(1 for s in table.slots if s.busy and not s.saving)
-        status = NodeStatus(self.node_id, self.url, tuple(heats), busy, table.queue_depth, self.service_s.value)
+        status = NodeStatus(self.node_id, self.url, tuple(heats), table.computing, table.queue_depth,
+                            self.service_s.value)
         return target.namespace, status, fields
 
     def _slot_chain(self, slot: int, tokens: np.ndarray, owner: str,
@@ -377,6 +381,11 @@ def _mask(value: object) -> int:
 
 def local_wait_s(table: SlotTable, service_s: float) -> float:
     """Seconds a new request would wait for a slot on this node (as ``NodeStatus.wait_s``)."""
-    busy = sum(1 for s in table.slots if s.busy and not s.saving)
-    ahead = busy + table.queue_depth + 1 - table.n_slots
+    ahead = table.computing + table.queue_depth + 1 - table.n_slots
     return max(ahead, 0) / table.n_slots * service_s
+
+
+def sharing(computing: int, n_slots: int) -> int:
+    """Requests a new one is computed beside on a node with ``computing`` slots running: all of
+    them, or every other slot once it has waited for one (llama-server batches them together)."""
+    return max(min(computing, n_slots - 1), 0)

@@ -10,6 +10,11 @@ served here is planned with that lookup, ``planner.EarlyLookup``). The cost mode
     at peer = FORWARD_OVERHEAD_S + the peer's wait (its busy slots, queue, and what this node
               already sent it) + recompute what its slot lacks
 
+each recompute at the prefill rate this node measured beside as many computing slots as that node
+has now (``CostModel.prefill_rate``): llama-server batches its slots' work together, so on a CPU
+a peer computing two other prompts prefills at about half an idle one's rate, and a restore on
+an idle node may win; where the rates barely differ (a GPU's short batches) the hot peer wins.
+
 and forwards when the peer is sooner by at least ``FORWARD_MIN_GAIN_S``. The gain is absolute,
 not a ratio: the suffix both nodes compute is the same, and on slow hardware it would hide a
 restore's cost in any ratio. A peer's wait counts its queue, so hot conversations do not pile onto
@@ -44,7 +49,7 @@ from tiers.store import TieredStore
 
 from .appkeys import ENGINE, FORWARDER, METRICS, REDIS, SETTINGS
 from .costmodel import CostModel
-from .fleet import Fleet, PeerHeat, local_wait_s
+from .fleet import Fleet, PeerHeat, local_wait_s, sharing
 from .logs import request_id
 from .metrics import LATENCY_BUCKETS
 from .planner import EarlyLookup
@@ -96,7 +101,7 @@ class Route:
 
 
 def choose_route(n_tokens: int, here_cached: int, found_tokens: int, found_bytes: dict[str, int],
-                 peers: list[PeerHeat], cost: CostModel, *, local_wait: float = 0.0,
+                 peers: list[PeerHeat], cost: CostModel, *, local_wait: float = 0.0, local_sharing: int = 0,
                  in_flight: dict[str, int] | None = None) -> Route:
     """Serve here (restore or recompute, the planner decides as ever) or forward to one peer.
 
@@ -106,9 +111,10 @@ def choose_route(n_tokens: int, here_cached: int, found_tokens: int, found_bytes
         found_tokens, found_bytes: what the local tiers hold of it, and the bytes per tier.
         peers: live peers holding some of it hot (``Fleet.lookup``).
         local_wait: seconds until a slot is free here.
+        local_sharing: requests the prompt would be computed beside here (``fleet.sharing``).
         in_flight: requests already forwarded to each peer and not answered.
     """
-    rate = cost.prefill_tps.value
+    rate = cost.prefill_rate(local_sharing)
     here_restores = 0
     here_s = (n_tokens - here_cached) / rate
     gain = found_tokens - here_cached
@@ -124,7 +130,8 @@ def choose_route(n_tokens: int, here_cached: int, found_tokens: int, found_bytes
         if peer.hot_tokens <= here_cached:
             continue
         extra = (in_flight or {}).get(peer.status.node, 0)
-        peer_s = FORWARD_OVERHEAD_S + peer.status.wait_s(extra) + (n_tokens - peer.hot_tokens) / rate
+        peer_rate = cost.prefill_rate(peer.status.sharing(extra))  # nodes alike: this node's rates stand for theirs
+        peer_s = FORWARD_OVERHEAD_S + peer.status.wait_s(extra) + (n_tokens - peer.hot_tokens) / peer_rate
         if peer_s < best_s:
             best, best_s = peer, peer_s
     if best is None or best_s + FORWARD_MIN_GAIN_S > here_s:
@@ -151,7 +158,7 @@ class Forwarder:
         await self.session.close()
 
     async def route(self, target: Target, namespace: Namespace, tokens: np.ndarray, here_cached: int,
-                    local_wait: float) -> tuple[Route | None, EarlyLookup | None]:
+                    local_wait: float, local_sharing: int = 0) -> tuple[Route | None, EarlyLookup | None]:
         """Where a request for ``tokens`` (this tenant's ``namespace``) is best served (None when
         no peer holds more of it than this node's slot, or the view cannot be read), and what the
         local tiers hold of it (the planner's lookup, when it is served here)."""
@@ -175,7 +182,7 @@ class Forwarder:
             return None, early
         return choose_route(int(tokens.size), here_cached, found.n_tokens,
                             found.bytes_by_tier(C, target.bytes_per_token), peers, self.cost,
-                            local_wait=local_wait, in_flight=self.fleet.in_flight), early
+                            local_wait=local_wait, local_sharing=local_sharing, in_flight=self.fleet.in_flight), early
 
     async def forward(self, request: web.Request, raw: bytes, route: Route) -> web.StreamResponse | None:
         """Send the request to ``route.peer`` and relay its answer; None when this node must serve
@@ -290,7 +297,8 @@ async def route_or_none(forwarder: Forwarder, request: web.Request, raw: bytes, 
     t0 = time.perf_counter()
     cached = here_cached(target, tokens, salt, [(*s.hot(), not s.busy or s.saving) for s in table.slots])
     route, early = await forwarder.route(target, namespace, tokens, cached,
-                                         local_wait_s(table, forwarder.fleet.service_s.value))
+                                         local_wait_s(table, forwarder.fleet.service_s.value),
+                                         sharing(table.computing, table.n_slots))
     if route is None or route.peer is None:
         forwarder.metrics.decisions.labels("served_here").inc()
         if route is not None:

@@ -171,8 +171,9 @@ class RestorePlanner:
         return self._decide(gain, {tier: gain * target.bytes_per_token}, slot)
 
     def learn(self, timings: Timings | None, prompt_tokens: int, expected: int, slot: int, *,
-              follow_up: bool = False, restored: int = 0, layout: str = "kv") -> bool:
-        """Learn from an answer's timings (the prefill rate); False when llama-server reused less
+              follow_up: bool = False, restored: int = 0, layout: str = "kv", sharing: int = 0) -> bool:
+        """Learn from an answer's timings (the prefill rate, begun beside ``sharing`` other
+        computing slots); False when llama-server reused less
         than the ``expected`` tokens (the slot held less than kvtier thought, or it threw a restore
         away), which is counted and logged.
 
@@ -185,7 +186,7 @@ class RestorePlanner:
         self.metrics.tokens_recomputed.inc(timings.prompt_n)
         if follow_up:  # sent untokenized: what its slot held of it is known only now
             self.metrics.tokens_slot_reused.inc(timings.cache_n)
-        self.cost.observe_prefill(timings.prompt_n, timings.prompt_ms)
+        self.cost.observe_prefill(timings.prompt_n, timings.prompt_ms, sharing)
         if restored and prefix_reused(timings, prompt_tokens, restored):
             self._wasted[layout] = 0
         elif restored:

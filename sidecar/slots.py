@@ -118,6 +118,11 @@ class SlotTable:
     def queue_depth(self) -> int:
         return len(self._waiters)
 
+    @property
+    def computing(self) -> int:
+        """Slots running a request (a slot whose answer is being saved is not computing)."""
+        return sum(1 for s in self.slots if s.busy and not s.saving)
+
     def _choose(self, tokens: np.ndarray, want: int | None, owner: str) -> Lease | int | None:
         """The lease for the best idle slot; or the id of a slot whose save is running and which
         holds more of ``tokens`` than any idle one (worth the few milliseconds its save still

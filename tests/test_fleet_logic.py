@@ -77,3 +77,22 @@ def test_the_router_forwards_to_the_sooner_peer_and_never_to_a_busy_one() -> Non
     assert choose_route(n, 0, 2900, found, [idle], cost, in_flight={"idle": 2}).peer is None
     # Nothing stored, nothing local: a peer saves the whole prefill even with a short queue.
     assert choose_route(n, 0, 0, {}, [loaded], cost).peer is loaded
+
+
+def test_the_router_counts_the_slots_a_prompt_would_be_computed_beside() -> None:
+    """llama-server batches its computing slots together: on a CPU a peer with two of its three
+    slots computing prefills slower (here at a third of the rate), so a restore on an idle node answers sooner;
+    where the rate does not drop (a GPU), the hot peer still wins. This node's own computing
+    slots count the same way against serving here."""
+    n, b = 2100, 23_040
+    found = {"redis": 2000 * b}  # a restore here: ~0.1 s
+    two_busy = PeerHeat(status([SlotHeat(2000, True, b"")] * 3, busy=2, node="two-busy"), 2000)
+    cpu = CostModel(prefill_tps=150.0, restore_gbps=0.5)
+    cpu.observe_prefill(150, 1000, sharing=0)
+    cpu.observe_prefill(150, 3000, sharing=2)
+    assert choose_route(n, 0, 2000, found, [two_busy], cpu).peer is None  # 2 s there, 0.8 s here
+    assert choose_route(n, 0, 2000, found, [two_busy], cpu, local_sharing=2).peer is two_busy  # busy alike
+    flat = CostModel(prefill_tps=150.0, restore_gbps=0.5)
+    flat.observe_prefill(150, 1000, sharing=0)
+    flat.observe_prefill(150, 1000, sharing=2)
+    assert choose_route(n, 0, 2000, found, [two_busy], flat).peer is two_busy

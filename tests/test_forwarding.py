@@ -217,6 +217,27 @@ async def test_tenants_never_see_each_others_slots(fleet: tuple[Sidecar, Sidecar
     assert refused.status == 401 and a.metric("kvtier_route_forwarded_in_total") == forwarded_in + 1
 
 
+async def test_a_node_learns_its_prefill_rate_beside_its_computing_slots(
+        fleet: tuple[Sidecar, Sidecar, redis.Redis]) -> None:
+    """What the router compares nodes by: a prompt begun while another slot computes is learned
+    apart from one computed alone (each tenant's prompt is computed whole: no slot holds it)."""
+    a, _, r = fleet
+    await until(lambda: _async((s := status_of(r, "a")) is not None and s.busy == 0), what="A idle")
+    await a.engine.drain(30)
+    cost = a.engine.cost
+    before = [level.samples for level in cost.prefill_shared]
+    first = asyncio.create_task(post(a.url + "/v1/chat/completions", chat([], "What does room 11 hold?", 32),
+                                     headers={**AUTH, "X-KVTier-Salt": "t20"}))
+    await until(lambda: _async(a.engine.slots is not None and a.engine.slots.computing == 1), what="one computing")
+    second = await post(a.url + "/v1/chat/completions", chat([], "What does room 12 hold?"),
+                        headers={**AUTH, "X-KVTier-Salt": "t21"})
+    assert (await first).status == 200 and second.status == 200
+    await a.engine.drain(30)  # the rates are learned after each answer, before its save
+    after = [level.samples for level in cost.prefill_shared]
+    assert after[0] == before[0] + 1 and after[1] == before[1] + 1, (before, after)
+    assert cost.prefill_rate(1) == cost.prefill_shared[1].value
+
+
 @pytest.fixture
 def node_c(redis_srv: RedisProc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     node = Node("c", tmp_path_factory.mktemp("forwarding-c"), smollm2_path(), [*DEFAULT_LLAMA_ARGS, "-np", "2"],

@@ -186,6 +186,19 @@ def test_cost_model_restores_only_when_faster() -> None:
     assert not floor.decide(256, {"memory": 256}).restore
 
 
+def test_the_prefill_rate_is_learned_by_how_many_slots_compute_beside_it() -> None:
+    model = CostModel(prefill_tps=300)
+    assert model.prefill_rate(2) == 300  # nothing measured: the prior, at every level
+    model.observe_prefill(300, 1000, sharing=0)  # 300 tokens/s alone
+    model.observe_prefill(300, 3000, sharing=2)  # 100 tokens/s beside two others
+    assert model.prefill_rate(0) == 300 and model.prefill_rate(2) == 100
+    assert model.prefill_rate(1) == 300  # not measured at 1: the nearest level below
+    assert model.prefill_rate(9) == 100  # 3 or more: the highest measured below
+    assert model.prefill_tps.value == 300 * 0.7 + 100 * 0.3  # the rate over all prompts (the planner's)
+    model.observe_prefill(8, 1000, sharing=1)  # too short to teach anything
+    assert model.prefill_rate(1) == 300
+
+
 def test_settings_precedence_and_redaction(tmp_path: Path) -> None:
     cfg = tmp_path / "kvtier.yaml"
     cfg.write_text("cache-size: 1G\nchunk_tokens: 128\nredis_url: redis://u:hunter2@r:6379/0\n")
