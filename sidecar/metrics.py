@@ -60,6 +60,9 @@ class Metrics:
         self.tokens_slot_reused = Counter("kvtier_tokens_slot_reused", "Prompt tokens already in the chosen slot", registry=r)
         self.restores = Counter("kvtier_restores", "Restores by source tier and outcome", ["tier", "outcome"], registry=r)
         self.decisions = Counter("kvtier_cost_decisions", "Cost-model decisions", ["decision"], registry=r)
+        self.prefill_rate = Gauge("kvtier_prefill_tokens_per_second", "The prefill rate the cost model learned for "
+                                  "prompts begun beside `beside` other computing slots (3: 3 or more)", ["beside"],
+                                  registry=r)
         self.prompt_end_saves = Counter("kvtier_prompt_end_saves", "States saved at a prompt's end, before its "
                                         "answer (--save-prompt-end): stored, or failed (the request goes on)",
                                         ["outcome"], registry=r)

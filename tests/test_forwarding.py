@@ -236,6 +236,7 @@ async def test_a_node_learns_its_prefill_rate_beside_its_computing_slots(
     after = [level.samples for level in cost.prefill_shared]
     assert after[0] == before[0] + 1 and after[1] == before[1] + 1, (before, after)
     assert cost.prefill_rate(1) == cost.prefill_shared[1].value
+    assert a.metric("kvtier_prefill_tokens_per_second", beside="1") == cost.prefill_shared[1].value
 
 
 @pytest.fixture
