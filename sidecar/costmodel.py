@@ -114,11 +114,3 @@ class CostModel:
         if restore < recompute * self.margin:
             return Decision(True, tokens, restore, recompute, "restore is faster")
         return Decision(False, tokens, restore, recompute, "recompute is faster")
-
-    def snapshot(self) -> dict[str, float]:
-        with self._lock:
-            out = {"prefill_tps": self.prefill_tps.value, "restore_bps": self.restore_bps.value,
-                   "readable_s_per_token": self.readable_s_per_token.value}
-            out.update({f"prefill_tps_beside_{k}": e.value for k, e in enumerate(self.prefill_shared) if e.samples})
-            out.update({f"fetch_bps_{t}": e.value for t, e in self.fetch_bps.items()})
-        return out

@@ -3,7 +3,8 @@
 On a completion whose prompt tokens are known, before a slot is taken, ``Forwarder.route`` asks
 the fleet view (``sidecar.fleet``) which live peers hold the prompt's prefix in an idle slot, and
 the local tiers how much this node could restore, in parallel (one round trip's latency; a request
-served here is planned with that lookup, ``planner.EarlyLookup``). The cost model then compares, in seconds until the prompt is computed:
+served here is planned with that lookup, ``planner.EarlyLookup``). The cost model then compares,
+in seconds until the prompt is computed:
 
     here    = local wait + min(recompute what the slot lacks,
                                restore what the tiers hold + recompute the rest)
