@@ -86,6 +86,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
                       SessionStore(store, redis.manifests if redis is not None else None, check=content_mismatch),
                       events=redis.events if redis is not None else None, witness=upstream.witness,
                       pending=PendingSaves(redis.connection) if redis is not None else None)
+    metrics.attach_cost(engine.cost)
     app[UPSTREAM] = upstream
     app[STORE] = store
     app[REDIS] = redis.tier if redis is not None else None

@@ -7,6 +7,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tiers.store import TieredStore
 
+from .costmodel import CostModel
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 FAST_BUCKETS = (0.0002, 0.0005, 0.001, 0.002) + LATENCY_BUCKETS  # sub-millisecond steps
 
@@ -46,6 +48,22 @@ class _TierCollector:
         yield GaugeMetricFamily("kvtier_write_queue_depth", "Pending background writes", value=self.store.queue_depth)
 
 
+class _PrefillCollector:
+    """The prefill rates the cost model learned, read from it at scrape time."""
+
+    def __init__(self, cost: CostModel):
+        self.cost = cost
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        rates = GaugeMetricFamily("kvtier_prefill_tokens_per_second", "The prefill rate the cost model learned for "
+                                  "prompts begun beside `beside` other computing slots (3: 3 or more)",
+                                  labels=["beside"])
+        for level, rate in enumerate(self.cost.prefill_shared):
+            if rate.samples:
+                rates.add_metric([str(level)], rate.value)
+        yield rates
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -60,9 +78,6 @@ class Metrics:
         self.tokens_slot_reused = Counter("kvtier_tokens_slot_reused", "Prompt tokens already in the chosen slot", registry=r)
         self.restores = Counter("kvtier_restores", "Restores by source tier and outcome", ["tier", "outcome"], registry=r)
         self.decisions = Counter("kvtier_cost_decisions", "Cost-model decisions", ["decision"], registry=r)
-        self.prefill_rate = Gauge("kvtier_prefill_tokens_per_second", "The prefill rate the cost model learned for "
-                                  "prompts begun beside `beside` other computing slots (3: 3 or more)", ["beside"],
-                                  registry=r)
         self.prompt_end_saves = Counter("kvtier_prompt_end_saves", "States saved at a prompt's end, before its "
                                         "answer (--save-prompt-end): stored, or failed (the request goes on)",
                                         ["outcome"], registry=r)
@@ -102,6 +117,9 @@ class Metrics:
 
     def attach_store(self, store: TieredStore) -> None:
         self.registry.register(_TierCollector(store))
+
+    def attach_cost(self, cost: CostModel) -> None:
+        self.registry.register(_PrefillCollector(cost))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

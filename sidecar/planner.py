@@ -187,9 +187,6 @@ class RestorePlanner:
         if follow_up:  # sent untokenized: what its slot held of it is known only now
             self.metrics.tokens_slot_reused.inc(timings.cache_n)
         self.cost.observe_prefill(timings.prompt_n, timings.prompt_ms, sharing)
-        level = min(max(sharing, 0), self.cost.SHARING_LEVELS - 1)
-        if self.cost.prefill_shared[level].samples:
-            self.metrics.prefill_rate.labels(str(level)).set(self.cost.prefill_shared[level].value)
         if restored and prefix_reused(timings, prompt_tokens, restored):
             self._wasted[layout] = 0
         elif restored:
