@@ -70,7 +70,9 @@ class RequestPlan:
     # A session restored for this request: the save after the answer records its use (a touch
     # when there is none), so the restore does not wait for a manifest write.
     restored_session: Manifest | None = None
-    epoch: int = 0  # the server watcher's epoch it was planned in: a save after a change is not stored
+    # The llama-server identity it was planned in (``ServerWatcher.generation``): a slot read after
+    # another process answers there is not stored.
+    generation: int = 0
     sharing: int = 0  # other slots computing when it got its slot (the prefill rate is learned by it)
 
     def took(self, restored: Restored) -> None:
@@ -150,7 +152,7 @@ class KVEngine:
         if lease is None:
             return None
         plan = RequestPlan(NO_TOKENS, lease, target.namespace_for(salt), salt, asked=asked, follow_up=True,
-                           epoch=self.watcher.epoch, sharing=table.computing - 1)
+                           generation=self.watcher.generation, sharing=table.computing - 1)
         plan.overhead_ms = (time.perf_counter() - since) * 1000 if since is not None else 0.0
         self.metrics.overhead_seconds.observe(plan.overhead_ms / 1000)
         self.metrics.follow_ups.inc()
@@ -189,7 +191,7 @@ class KVEngine:
             lease = await table.acquire(tokens, want=want_slot, timeout=timeout, owner=salt)
             self.metrics.slot_queue.set(table.queue_depth)
             plan = RequestPlan(tokens, lease, target.namespace_for(salt), salt, session_id, prompt, asked=asked,
-                               epoch=self.watcher.epoch, sharing=table.computing - 1)
+                               generation=self.watcher.generation, sharing=table.computing - 1)
             if session_id is not None:
                 self.session_slots[session_id] = lease.slot
             t1 = time.perf_counter()
@@ -270,9 +272,11 @@ class KVEngine:
         return restored
 
     async def save_session(self, lease: Lease, namespace: Namespace, session_id: str, *,
-                           owner: str = "") -> Manifest:
-        """Save a leased slot as session ``session_id`` (``PUT /v1/sessions/{id}``)."""
-        manifest = await self.saver.save_session(lease.table, lease.slot, namespace, session_id, owner=owner)
+                           owner: str = "", read: Callable[[], None] | None = None) -> Manifest:
+        """Save a leased slot as session ``session_id`` (``PUT /v1/sessions/{id}``); ``read`` as in
+        ``Saver.save_slot``."""
+        manifest = await self.saver.save_session(lease.table, lease.slot, namespace, session_id, owner=owner,
+                                                 read=read)
         self.session_slots[session_id] = lease.slot
         return manifest
 
@@ -292,13 +296,24 @@ class KVEngine:
 
     async def _save_then_release(self, plan: RequestPlan, ok: bool, answer: bytes | None, answered: float) -> None:
         lease = plan.lease
-        table = lease.table
+        record = lease.table.slots[lease.slot]
+        freed = False
+
+        def free() -> None:
+            """The slot may serve its next request (once: a next request may take it at once)."""
+            nonlocal freed
+            if not freed:
+                freed = True
+                record.saving = False
+                record.answered = None
+                lease.release()
+
         # Other nodes learn first that this save is coming: a next turn of this conversation that
         # reaches one of them may wait for it rather than recompute (saver.in_flight). The slot is
         # free again once its state is read; the markers stay until Redis holds what was stored.
         async with self.saver.in_flight(plan.namespace, plan.tokens if ok else NO_TOKENS):
             try:
-                stored = await self._save(plan, ok, answer)
+                stored = await self._save(plan, ok, answer, free)
             except Exception as exc:
                 # A failed save (a full slot dir, an unreachable tier) leaves the slot as it was:
                 # what the table knows of it (what was restored or saved last) is still a prefix of it.
@@ -306,15 +321,17 @@ class KVEngine:
                 log.warning("saving slot %d failed: %s", lease.slot, exc)
                 return
             finally:
-                table.slots[lease.slot].saving = False
-                table.slots[lease.slot].answered = None
-                lease.release()
+                free()
                 self.metrics.pending_saves.set(max(len(self._pending) - 1, 0))
+                if plan.fetched is not None:  # after the slot is free: no one waits on this copy
+                    fetched, plan.fetched = plan.fetched, None
+                    await self.store.promote(fetched)
             if stored:
                 await self.saver.readable(answered, int(plan.tokens.size))
 
-    async def _save(self, plan: RequestPlan, ok: bool, answer: bytes | None) -> bool:
-        """Learn from the answer, then save the slot's state; False when nothing was stored."""
+    async def _save(self, plan: RequestPlan, ok: bool, answer: bytes | None, free: Callable[[], None]) -> bool:
+        """Learn from the answer, then save the slot's state; False when nothing was stored.
+        ``free`` gives the slot back as soon as its state is read (or nothing is to be read)."""
         lease = plan.lease
         table = lease.table
         # Let the answer's last bytes reach the client first: on a small host the save (llama-server
@@ -327,30 +344,40 @@ class KVEngine:
                 restored=plan.restored_tokens, layout=target.memory_kind if target is not None else "kv",
                 sharing=plan.sharing):
             self.watcher.doubt()  # a restart it has not noticed yet? Check before the next request
-        if plan.fetched is not None:
-            fetched, plan.fetched = plan.fetched, None
-            await self.store.promote(fetched)
         if not ok:
             # Nothing from a failed request is cached; what the slot holds now is unknown.
             table.forget(lease.slot)
+            free()
             if plan.restored_session is not None:  # no save records the session's use
                 await self.sessions.touch(plan.namespace, plan.restored_session)
+            await self._server_changed(plan)  # counted when a restart broke the answer off
             return False
-        if not await self.watcher.ensure_ready() or self.watcher.epoch != plan.epoch:
-            # llama-server restarted or changed since this request was planned: what its slot
-            # holds now may be another model's KV, which must never go under this namespace.
-            self.metrics.cache_errors.labels("server_changed").inc()
-            log.warning("slot %d: llama-server changed during the request; its state is not stored", lease.slot)
+        if await self._server_changed(plan):
             table.forget(lease.slot)
             return False
+
+        def read() -> None:
+            # After the save set the slot's tokens (and so forgot what it answered).
+            table.slots[lease.slot].asked = plan.asked
+            free()
+
         if plan.session_id is not None:
-            manifest = await self.save_session(lease, plan.namespace, plan.session_id, owner=plan.salt)
+            manifest = await self.save_session(lease, plan.namespace, plan.session_id, owner=plan.salt, read=read)
             self.prompts.check(plan.prompt, manifest.tokens)
         else:
-            state = await self.saver.save_slot(table, lease.slot, plan.namespace, owner=plan.salt)
+            state = await self.saver.save_slot(table, lease.slot, plan.namespace, owner=plan.salt, read=read)
             self.prompts.check(plan.prompt, state.tokens.tokens)
-        # After the save, which set the slot's tokens (and so forgot what it answered).
-        table.slots[lease.slot].asked = plan.asked
+        return True
+
+    async def _server_changed(self, plan: RequestPlan) -> bool:
+        """Whether another llama-server process answers now than the one ``plan`` was planned for
+        (it restarted or changed since; counted). What its slot holds then may be another model's
+        KV, which must never go under this namespace. Noticing the same process again (the health
+        loop, a closed witness) changes nothing here."""
+        if await self.watcher.ensure_ready() and self.watcher.generation == plan.generation:
+            return False
+        self.metrics.cache_errors.labels("server_changed").inc()
+        log.warning("slot %d: llama-server changed during the request; its state is not stored", plan.lease.slot)
         return True
 
     async def drain(self, timeout: float) -> bool:

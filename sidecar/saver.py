@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 
-from integrations.kvflow import Publisher, pending_save, save_session, store_state
+from integrations.kvflow import Publisher, TailRecord, pending_save, save_session, store_state
 from integrations.statefile import SeqState
 from tiers.errors import KVTierError
 from tiers.keys import Namespace
@@ -39,6 +41,7 @@ class Saver:
         self.events = events
         self.pending = pending
         self._warned_unsplittable = False
+        self._storing: dict[int, asyncio.Lock] = {}  # per slot: its stores in order
 
     def in_flight(self, namespace: Namespace, tokens: np.ndarray) -> contextlib.AbstractAsyncContextManager[None]:
         """Tell other nodes, for the duration of the block, that a save of a state starting with
@@ -84,42 +87,60 @@ class Saver:
         self.metrics.prompt_end_saves.labels("stored").inc()
         return True
 
-    async def save_slot(self, table: SlotTable, slot: int, namespace: Namespace, *, owner: str = "") -> SeqState:
-        """Save ``slot``, store its new chunks and its partial tail, and record what it holds."""
+    async def save_slot(self, table: SlotTable, slot: int, namespace: Namespace, *, owner: str = "",
+                        read: Callable[[], None] | None = None) -> SeqState:
+        """Save ``slot``, store its new chunks and its partial tail, and record what it holds.
+
+        ``read`` is called once llama-server has written the state and kvtier has read it: the slot
+        may serve its next request from then on (llama-server alone would), while its chunks are
+        split and stored from the bytes read. Stores of one slot run one after the other.
+        """
         t0 = time.perf_counter()
         state = await self.files.save(slot, "save")
-        tokens = state.tokens.tokens
         record = table.slots[slot]
-        previous = record.tokens
-        table.set_tokens(slot, tokens.copy(), owner=owner)
-        if state.store_reason is None:
-            stored = await store_state(self.store, namespace, state, events=self.events, previous=record.tail,
-                                       previous_tokens=previous)
-            if stored.chunks is not None:
-                self.metrics.bytes_saved.inc(stored.chunks.bytes_encoded)
-            if stored.tail_error is not None:  # the chunks are stored: a hop recomputes the tail, no more
-                self.metrics.cache_errors.labels("save").inc()
-                log.warning("storing slot %d's partial tail failed: %s", slot, stored.tail_error)
-            if stored.tail_error is None or stored.tail_stored:
-                record.tail = stored.tail
-            if stored.tail_stored:
-                self.metrics.tails.labels("stored").inc()
-            if stored.tail_deleted:
-                self.metrics.tails.labels("deleted").inc()
-        elif state.n_tokens and not self._warned_unsplittable:
-            # Prefix restore needs chunks; such states are kept only by explicit session saves.
-            self._warned_unsplittable = True
-            log.warning("slot states cannot be split into prefix chunks (%s): automatic restore is off",
-                        state.store_reason)
+        previous, previous_tail = record.tokens, record.tail
+        table.set_tokens(slot, state.tokens.tokens.copy(), owner=owner)
+        saved = record.tokens  # the very array: a next request that changes the slot replaces it
+        if read is not None:
+            read()
+        async with self._storing.setdefault(slot, asyncio.Lock()):
+            if state.store_reason is None:
+                await self._store(table, slot, namespace, state, saved, previous, previous_tail)
+            elif state.n_tokens and not self._warned_unsplittable:
+                # Prefix restore needs chunks; such states are kept only by explicit session saves.
+                self._warned_unsplittable = True
+                log.warning("slot states cannot be split into prefix chunks (%s): automatic restore is off",
+                            state.store_reason)
         self.metrics.save_seconds.observe(time.perf_counter() - t0)
         return state
 
+    async def _store(self, table: SlotTable, slot: int, namespace: Namespace, state: SeqState, saved: np.ndarray,
+                     previous: np.ndarray, previous_tail: TailRecord | None) -> None:
+        stored = await store_state(self.store, namespace, state, events=self.events, previous=previous_tail,
+                                   previous_tokens=previous)
+        if stored.chunks is not None:
+            self.metrics.bytes_saved.inc(stored.chunks.bytes_encoded)
+        if stored.tail_error is not None:  # the chunks are stored: a hop recomputes the tail, no more
+            self.metrics.cache_errors.labels("save").inc()
+            log.warning("storing slot %d's partial tail failed: %s", slot, stored.tail_error)
+        # The slot's record, unless a next request changed what it holds meanwhile (restored into
+        # it, or was saved): then this tail is no longer the one it holds.
+        if (stored.tail_error is None or stored.tail_stored) and table.slots[slot].tokens is saved:
+            table.slots[slot].tail = stored.tail
+        if stored.tail_stored:
+            self.metrics.tails.labels("stored").inc()
+        if stored.tail_deleted:
+            self.metrics.tails.labels("deleted").inc()
+
     async def save_session(self, table: SlotTable, slot: int, namespace: Namespace, session_id: str, *,
-                           owner: str = "") -> Manifest:
-        """Save ``slot`` as session ``session_id``: its chunks, its partial tail, its manifest."""
+                           owner: str = "", read: Callable[[], None] | None = None) -> Manifest:
+        """Save ``slot`` as session ``session_id``: its chunks, its partial tail, its manifest
+        (``read`` as in ``save_slot``)."""
         t0 = time.perf_counter()
         state = await self.files.save(slot, "session")
         table.set_tokens(slot, state.tokens.tokens.copy(), owner=owner)
+        if read is not None:
+            read()
         manifest = await save_session(self.sessions, namespace, session_id, state, node=self.node_id,
                                       events=self.events)
         self.metrics.save_seconds.observe(time.perf_counter() - t0)

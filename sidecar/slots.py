@@ -12,7 +12,7 @@ import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Self
+from typing import Any, Self
 
 import numpy as np
 
@@ -230,6 +230,22 @@ class SlotTable:
         self.slots[slot].unknown = False
         if owner is not None:
             self.slots[slot].owner = owner
+
+    def note_tasks(self, infos: list[dict[str, Any]]) -> bool:
+        """Record each slot's last task id from llama-server's ``/slots``; True when one is lower
+        than recorded, or gone: task ids only grow within one llama-server process, so another
+        process answers now."""
+        restarted = False
+        for info in infos:
+            slot_id, task = info.get("id"), info.get("id_task")
+            if not isinstance(slot_id, int) or not 0 <= slot_id < self.n_slots:
+                continue
+            slot = self.slots[slot_id]
+            task = task if isinstance(task, int) and not isinstance(task, bool) else None
+            if slot.task_id is not None and (task is None or task < slot.task_id):
+                restarted = True
+            slot.task_id = task
+        return restarted
 
     def tokens(self, slot: int) -> np.ndarray:
         return self.slots[slot].tokens

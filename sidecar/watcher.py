@@ -1,22 +1,31 @@
 """What kvtier knows of its llama-server: the slots, the KV layout, the model's identity.
 
-``ServerWatcher.probe`` learns them (at start-up, and again after llama-server changed);
-``check_server`` notices a server that restarted or changed under a running sidecar, and slots
-that were used without kvtier.
+One llama-server process is one identity (a ``Target``, numbered by ``generation``). The health loop
+and the request path move one state machine, written here once:
 
-Before any request uses the cache, ``ensure_ready`` makes sure the server is still the one kvtier
-learned: it holds a *witness*, one of the relay's open connections to llama-server. A process that
-exits takes its sockets with it, so while the witness is open nothing can have restarted and the
-check costs an attribute read. Once it closed (a restart, or only an idle connection let go after
-a few seconds), the next request first asks llama-server (``check_server``: its props, the model
-file's identity, what its slots hold) and is planned on the answer: after a restart the slots are
-empty, after another model the namespace is learned again. ``epoch`` counts such changes, so a
-save can tell that the server it reads is no longer the one its request was planned for.
+    UNKNOWN --probe--> KNOWN --doubt--> DOUBTED --check: same process--> KNOWN
+       ^                                   |
+       +------ check: another process ----+   (and from KNOWN, when the health loop's check says so)
+
+- ``probe`` (RELEARNING while it runs) learns slots, layout and namespace, and numbers a new identity.
+- Doubt comes from: the witness closing (one of the relay's kept connections to llama-server: a
+  process that exits takes its sockets with it), a failed health check, and an answer that reused
+  less than planned (a ``prompt_n`` surprise). A doubt alone never forgets anything.
+- The check (``/props`` and ``/slots``) retires the identity only on evidence that another process
+  answers: another model, build or slot count, or a slot's task id lower than recorded (task ids
+  only grow within one process). However many parts notice one restart, it is learned once: the
+  first check retires the old identity and the probe learns the new one; every later check
+  compares against the new one and finds it unchanged.
+
+A save is stored only when the identity its request was planned in is still the one confirmed when
+the slot is read (``generation``); a relearn of the same process never happens, so it never
+invalidates work planned against it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import os
 from collections.abc import Callable, Mapping
@@ -79,6 +88,15 @@ class Target:
         return self.namespace.salted(salt) if salt else self.namespace
 
 
+class ServerState(enum.Enum):
+    """Where the state machine of ``ServerWatcher`` stands (see the module's docstring)."""
+
+    UNKNOWN = "unknown"  # nothing learned, or the process learned is gone: probe before use
+    RELEARNING = "relearning"  # a probe runs
+    KNOWN = "known"  # learned, and nothing since suggests another process
+    DOUBTED = "doubted"  # learned, but check (``/props``, ``/slots``) before the next use
+
+
 class ServerWatcher:
     """Learns the llama-server (``target``) and what its slots hold (``slots``), and keeps both true."""
 
@@ -91,9 +109,13 @@ class ServerWatcher:
         self.target: Target | None = None
         self.slots: SlotTable | None = None
         self.last_error = ""
-        self.epoch = 0  # bumped whenever the server kvtier plans for changed (restart, model, slots)
+        # The identity kvtier plans for: bumped when a process is learned or found gone, never by
+        # a check that finds the same one. A request's save is stored only within its generation.
+        self.generation = 0
         self._signature: tuple[str, ...] = ()
-        self._lock = asyncio.Lock()
+        self._lock = asyncio.Lock()  # one check or probe at a time, whoever asks
+        self._probing = False
+        self._doubted = False
         self._witness_of = witness  # None: no such signal; the health watcher's checks alone
         self._witness: Witness | None = None
         self._warned_unreadable = False
@@ -102,40 +124,58 @@ class ServerWatcher:
     @property
     def confirmed(self) -> bool:
         """Whether llama-server is known to be the process kvtier last checked."""
+        if self.target is None or self._doubted:
+            return False
         return self._witness_of is None or (self._witness is not None and not self._witness.closed)
 
+    @property
+    def state(self) -> ServerState:
+        if self._probing:
+            return ServerState.RELEARNING
+        if self.target is None:
+            return ServerState.UNKNOWN
+        return ServerState.KNOWN if self.confirmed else ServerState.DOUBTED
+
     def doubt(self) -> None:
-        """Something suggests llama-server changed (an answer reused less than planned): check
-        again before the next request."""
+        """Something suggests llama-server changed (it failed a health check, an answer reused less
+        than planned): check again before the next request. Forgets nothing."""
         self._witness = None
+        self._doubted = True
 
     async def ensure_ready(self) -> bool:
         """Learn llama-server if not done yet, and confirm it is still the same one; False while
         it cannot be reached or learned."""
-        if self.target is not None and self.confirmed:
+        if self.confirmed:
             return True
         async with self._lock:
             try:
                 if self.target is not None and not self.confirmed:
-                    await self.check_server()
+                    await self._check_identity()
                 if self.target is None:
                     await self.probe()
             except (KVTierError, OSError, ValueError) as exc:
                 self.last_error = str(exc)
                 log.warning("llama-server not ready for caching: %s", exc)
                 return False
-            if self._witness_of is not None and not self.confirmed:
-                self._witness = self._witness_of()
         return True
 
     async def probe(self) -> None:
-        """Learn slots, n_stream, V layout and KV layout; build a new slot table.
+        """Learn slots, n_stream, V layout and KV layout; build a new slot table (a new identity).
 
-        Saves each slot once (an empty slot's file is a few dozen bytes and tells ``n_stream``; a
-        full one also tells the layout and what the slot holds). When every slot is empty, one
-        1-token completion fills slot 0 so the layout can be read, and the slot is erased again.
-        Checks on the way that the slot dir is the directory llama-server writes to.
+        Saves each idle slot once (an empty slot's file is a few dozen bytes and tells ``n_stream``;
+        a full one also tells the layout and what the slot holds). A slot that is computing is not
+        read: llama-server would defer the save until it is idle, and nothing may wait on that; its
+        record starts unknown. When no idle slot holds anything, one 1-token completion fills an
+        idle slot so the layout can be read, and the slot is erased again. Checks on the way that
+        the slot dir is the directory llama-server writes to.
         """
+        self._probing = True
+        try:
+            await self._probe()
+        finally:
+            self._probing = False
+
+    async def _probe(self) -> None:
         props = await self.client.props()
         n_slots = int(props.get("total_slots") or 0)
         if n_slots <= 0:
@@ -143,9 +183,14 @@ class ServerWatcher:
         model_path = str(props.get("model_path") or "")
         model_id = self._model_id(model_path, props)
         table = SlotTable(n_slots)
+        computing = {info.get("id") for info in await self.client.slots() if info.get("is_processing")}
         layout_state: SeqState | None = None
         n_stream = 0
+        idle = [slot for slot in range(n_slots) if slot not in computing]
         for slot in range(n_slots):
+            if slot in computing:
+                table.forget(slot)  # what it will hold is not known: another tenant's request erases it
+                continue
             state = await self.files.save(slot, "probe")
             n_stream = state.n_stream or n_stream
             if memory_layout(state) is not None:
@@ -153,10 +198,12 @@ class ServerWatcher:
                 if state.store_reason is None:
                     table.set_tokens(slot, state.tokens.tokens.copy())
         if layout_state is None:
-            await self.client.completion({"prompt": "kvtier", "n_predict": 1, "id_slot": 0, "cache_prompt": True,
-                                          "temperature": 0})
-            layout_state = await self.files.save(0, "probe")
-            await self.client.erase_slot(0)
+            if not idle:
+                raise LlamaServerError("every slot is computing: the KV layout is learned once one is idle")
+            await self.client.completion({"prompt": "kvtier", "n_predict": 1, "id_slot": idle[0],
+                                          "cache_prompt": True, "temperature": 0})
+            layout_state = await self.files.save(idle[0], "probe")
+            await self.client.erase_slot(idle[0])
         layout = memory_layout(layout_state)
         v_trans = layout_state.v_trans if not layout_state.tail_only else False  # no V to lay out
         if layout is None or v_trans is None:
@@ -164,7 +211,7 @@ class ServerWatcher:
         memory = layout_state.memory_kind if layout_state.has_rest else "kv"
         # Recurrent memory alone holds no bytes per token: its restores read one fixed-size state.
         bytes_per_token = 0 if layout_state.tail_only else layout.bytes_per_token
-        _restarted_since(table, await self.client.slots())  # records each slot's last task id
+        table.note_tasks(await self.client.slots())  # each slot's last task id, this process's
         # A state with a rest is another format than a plain cache of the same layers: its own namespace.
         identity = memory_identity(model_id, memory)
         ns = Namespace(layout_fingerprint(identity, layout), chunk_tokens=self.settings.chunk_tokens)
@@ -174,7 +221,8 @@ class ServerWatcher:
         self.target = Target(n_slots, n_stream or 1, v_trans, model_id, ns, bytes_per_token, n_ctx, memory)
         self._signature = _signature(props)
         self.slots = table
-        self.epoch += 1
+        self.generation += 1
+        self._confirm()
         log.info("llama-server: %d slots, n_stream %d, v_trans %s, %d bytes/token, memory %s, namespace %s",
                  n_slots, self.target.n_stream, self.target.v_trans, bytes_per_token,
                  _MEMORY_NAMES.get(memory, memory), ns.id)
@@ -195,9 +243,8 @@ class ServerWatcher:
                                                                   "eos_token", "chat_template"))
 
     async def watch_forever(self, interval: float) -> None:
-        """Every ``interval`` seconds: is llama-server up, did it restart or change (``check_server``),
-        and, once it is back, learn it again."""
-        was_up = True
+        """Every ``interval`` seconds: is llama-server up (a failed check is a doubt), is it the
+        process kvtier learned (``check_server``), and, once one answers that is not, learn it."""
         while True:
             await asyncio.sleep(interval)
             try:
@@ -208,54 +255,69 @@ class ServerWatcher:
             if up != self.up:
                 log.warning("llama-server %s its health check", "answers" if up else "does not answer")
             self.up = up
+            if not up:
+                # It may come back as another process: whoever uses it next checks first. The
+                # identity stays until a check shows another process (a slow answer is no restart).
+                self.doubt()
+                continue
             try:
-                if up and not was_up:
-                    log.info("llama-server is back: relearning its slots")
-                    self.forget()
-                if up and self.target is not None:
-                    await self.check_server()
-                if up and self.target is None:
+                await self.check_server()
+                if self.target is None:
                     await self.ensure_ready()
             except (LlamaServerError, OSError) as exc:
                 log.debug("health watcher: %s", exc)
-            was_up = up
 
-    def forget(self) -> None:
-        """llama-server restarted: its slots are empty, and the layout must be learned again."""
+    def _retire(self, why: str) -> None:
+        """The process kvtier learned is gone (or serves another model): learn the next one."""
+        log.warning("llama-server %s: relearning it", why)
         self.target = None
-        self.epoch += 1
+        self._witness = None
+        self.generation += 1
+
+    def _confirm(self) -> None:
+        self._doubted = False
+        if self._witness_of is not None:
+            self._witness = self._witness_of()
 
     async def check_server(self) -> None:
-        """Notice a llama-server that restarted or changed under us (the health watcher calls this).
+        """Notice a llama-server that restarted or changed under us, and slots used without kvtier
+        (the health watcher calls this every few seconds).
 
-        Another model or build behind the same URL means another namespace: relearn everything. A
-        slot that is idle here but empty on the server lost its KV (a restart): forget what the
-        table thought it held, so nothing is skipped on the strength of a stale belief. A slot that
-        holds another count of tokens was used without kvtier (a client talking to llama-server
-        directly): read what it holds now, so that kvtier neither skips a restore it needs nor
-        restores a shorter prefix over a longer one.
+        The identity is checked under the lock that requests' checks and probes take, so one
+        restart is learned once, whoever notices it. Then, outside the lock: a slot that is idle
+        here but empty on the server lost its KV (someone erased it): forget what the table thought
+        it held, so nothing is skipped on the strength of a stale belief. A slot that holds another
+        count of tokens was used without kvtier (a client talking to llama-server directly): read
+        what it holds now, so that kvtier neither skips a restore it needs nor restores a shorter
+        prefix over a longer one.
         """
-        # The health loop and a request may both check: what this check judges is the server it
-        # started with, and once another check has relearned or forgotten it, this one stops.
-        table, target = self.slots, self.target
-        if target is None or table is None:
-            return
+        async with self._lock:
+            if self.target is None:
+                return
+            infos = await self._check_identity()
+        table = self.slots
+        if infos is not None and table is not None:
+            await self._sync_slots(table, infos)
+
+    async def _check_identity(self) -> list[dict[str, Any]] | None:
+        """Compare llama-server with the identity kvtier learned (the lock held): confirm it, or
+        retire it on evidence of another process. Returns ``/slots`` when confirmed."""
+        target, table = self.target, self.slots
+        assert target is not None and table is not None
         props = await self.client.props()
-        if self.target is not target:
-            return
         if (_signature(props) != self._signature
                 or self._model_id(str(props.get("model_path") or ""), props) != target.model_id):
-            log.warning("llama-server changed (model, build or slots): relearning it")
-            self.forget()
-            return
+            self._retire("changed (model, build or slots)")
+            return None
         infos = await self.client.slots()
-        if self.target is not target:
-            return
-        if _restarted_since(table, infos):
+        if table.note_tasks(infos):
             # Even a slot kvtier is saving now holds another process's KV (or none): relearn all.
-            log.warning("llama-server restarted (a slot's task id went back): relearning it")
-            self.forget()
-            return
+            self._retire("restarted (a slot's task id went back)")
+            return None
+        self._confirm()
+        return infos
+
+    async def _sync_slots(self, table: SlotTable, infos: list[dict[str, Any]]) -> None:
         lost = 0
         for info in infos:
             slot_id = info.get("id")
@@ -266,11 +328,11 @@ class ServerWatcher:
                 continue
             held = info.get("n_prompt_tokens")
             # A slot that never ran a task reports no count; one that did and now reports none
-            # belongs to a restarted server.
+            # was emptied behind kvtier's back.
             if held is None and not slot.served:
                 continue
             if not held and slot.tokens.size:
-                table.set_tokens(slot_id, np.zeros(0, np.int32))  # empty: the server restarted
+                table.set_tokens(slot_id, np.zeros(0, np.int32))
                 slot.served = False
                 lost += 1
             elif held and int(held) != slot.tokens.size and slot.resynced != int(held):
@@ -280,8 +342,7 @@ class ServerWatcher:
                 if await self._resync(table, slot_id):
                     log.info("slot %d was used without kvtier: it now holds %d tokens", slot_id, int(held))
         if lost:
-            self.epoch += 1
-            log.info("%d slot(s) no longer hold what kvtier recorded (llama-server restarted?)", lost)
+            log.info("%d slot(s) no longer hold what kvtier recorded", lost)
 
     async def _resync(self, table: SlotTable, slot_id: int) -> bool:
         """Learn what an idle slot holds from a save of it (its tokens are exact); False when busy."""
@@ -304,19 +365,3 @@ class ServerWatcher:
 _MEMORY_NAMES = {"kv": "one KV cache", "kv_pair": "KV cache + sliding window (restored whole)",
                  "hybrid": "KV cache + recurrent state (restored whole)",
                  "recurrent": "recurrent state alone (restored whole, one tail per state)"}
-
-
-def _restarted_since(table: SlotTable, infos: list[dict[str, Any]]) -> bool:
-    """Whether ``/slots`` shows a process other than the one that last reported to ``table``: a
-    slot's task id lower than it was, or gone. Records the ids it sees."""
-    restarted = False
-    for info in infos:
-        slot_id, task = info.get("id"), info.get("id_task")
-        if not isinstance(slot_id, int) or not 0 <= slot_id < table.n_slots:
-            continue
-        slot = table.slots[slot_id]
-        task = task if isinstance(task, int) and not isinstance(task, bool) else None
-        if slot.task_id is not None and (task is None or task < slot.task_id):
-            restarted = True
-        slot.task_id = task
-    return restarted
