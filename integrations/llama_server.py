@@ -86,6 +86,24 @@ class Timings:
         return None
 
 
+def stream_finished(tail: bytes) -> bool:
+    """Whether the end of an SSE answer is llama-server's last event: ``data: [DONE]`` (the OpenAI
+    endpoints) or an event with ``"stop": true`` (``/completion``). llama-server sends it once the
+    task is done and its slot idle, so the slot then holds a complete state whatever becomes of
+    the client's connection."""
+    lines = [line.strip() for line in tail.decode("utf-8", errors="replace").splitlines()]
+    events = [line[5:].strip() for line in lines if line.startswith("data:")]
+    if not events:
+        return False
+    if events[-1] == "[DONE]":
+        return True
+    try:
+        last = json.loads(events[-1])
+    except json.JSONDecodeError:
+        return False
+    return isinstance(last, dict) and last.get("stop") is True
+
+
 def prefix_reused(timings: Timings | None, prompt_tokens: int, restored_tokens: int, slack: int = 1) -> bool:
     """True when the server recomputed only the suffix after a restore.
 

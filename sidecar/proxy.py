@@ -19,7 +19,7 @@ import orjson
 from aiohttp import web
 from multidict import CIMultiDict
 
-from integrations.llama_server import LlamaServerError
+from integrations.llama_server import LlamaServerError, stream_finished
 from tiers.sessions import validate_session_id
 
 from .appkeys import ENGINE, FORWARDER, METRICS, SETTINGS, UPSTREAM
@@ -60,11 +60,15 @@ class Relay:
 
     status: int = 0
     upstream_complete: bool = False  # llama-server sent its whole answer
+    stream: bool = False
     tail: bytearray = field(default_factory=bytearray)
 
     @property
     def ok(self) -> bool:
-        return self.upstream_complete and 200 <= self.status < 300
+        """llama-server finished the answer: it sent it whole, or (a client that left at once, as
+        the OpenAI client does after ``data: [DONE]``) its last event reached kvtier."""
+        finished = self.upstream_complete or (self.stream and stream_finished(bytes(self.tail)))
+        return finished and 200 <= self.status < 300
 
 
 async def passthrough(request: web.Request, body: bytes | None = None) -> web.StreamResponse:
@@ -106,13 +110,14 @@ async def _relay(request: web.Request, body: bytes, extra_headers: Mapping[str, 
         if request_id.get():  # prepared here, so the middleware cannot add it
             response.headers["X-Request-Id"] = request_id.get()
         await response.prepare(request)
-        limit = TAIL_BYTES if _is_stream(upstream) else MAX_CAPTURE
+        out.stream = _is_stream(upstream)
+        limit = TAIL_BYTES if out.stream else MAX_CAPTURE
         async for piece in upstream.iter_any():
-            await response.write(piece)
-            if capture:
+            if capture:  # before the write: a client gone by then does not hide what llama-server sent
                 out.tail += piece
                 if len(out.tail) > limit:
                     del out.tail[: len(out.tail) - TAIL_BYTES]
+            await response.write(piece)
         out.upstream_complete = True
         await response.write_eof()
     except (ConnectionResetError, asyncio.CancelledError) as exc:

@@ -10,13 +10,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from integrations.llama_server import Timings
+from integrations.llama_server import Timings, stream_finished
 from sidecar.cli_client import summarize_metrics
 from sidecar.config import Settings, load_settings
 from sidecar.costmodel import CostModel
 from sidecar.metrics import Metrics
 from sidecar.prompts import chat_digests
-from sidecar.proxy import upstream_body
+from sidecar.proxy import Relay, upstream_body
 from sidecar.slots import FOLLOW_UP_MAX_CHARS, SlotTable, continues
 from tiers.errors import ConfigError
 from tiers.keys import common_prefix
@@ -268,3 +268,28 @@ def test_stats_summary_from_metrics_text() -> None:
     s = summarize_metrics(text)
     assert s["tokens"]["restored"] == 300 and s["tokens"]["restored_share"] == 0.75
     assert s["tiers"]["redis"]["hit_rate"] == 0.75
+
+
+def test_an_answer_whose_last_event_arrived_is_finished_though_its_connection_was_cut() -> None:
+    """The OpenAI client closes its connection right after ``data: [DONE]``, which can cancel the
+    relay before llama-server's end of stream reached it: the answer is still whole, and saved."""
+    chat_end = (b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
+                b'data: {"choices":[{"finish_reason":"stop","delta":{}}],"timings":{"prompt_n":3}}\n\n'
+                b"data: [DONE]\n\n")
+    assert Relay(status=200, stream=True, tail=bytearray(chat_end)).ok
+    completion_end = b'data: {"content":"x","stop":false}\n\ndata: {"content":"","stop":true,"timings":{}}\n\n'
+    assert Relay(status=200, stream=True, tail=bytearray(completion_end)).ok
+    # Cut before the last event: not whole (the slot may still be generating).
+    assert not Relay(status=200, stream=True, tail=bytearray(chat_end[:-len(b"data: [DONE]\n\n")])).ok
+    assert not Relay(status=200, stream=True, tail=bytearray(completion_end[:-30])).ok
+    assert not Relay(status=500, stream=True, tail=bytearray(chat_end)).ok
+    assert not stream_finished(b"")
+
+
+def test_task_ids_that_go_back_tell_another_process() -> None:
+    table = SlotTable(2)
+    assert not table.note_tasks([{"id": 0, "id_task": 7}, {"id": 1}])
+    assert not table.note_tasks([{"id": 0, "id_task": 9}, {"id": 1, "id_task": 10}])  # they grow
+    assert table.note_tasks([{"id": 0, "id_task": 2}, {"id": 1, "id_task": 11}])  # slot 0 went back
+    assert table.note_tasks([{"id": 0, "id_task": 2}, {"id": 1}])  # slot 1's task is gone
+    assert not table.note_tasks([{"id": 0, "id_task": 2}, {"id": 1}])  # recorded: the same process
