@@ -18,10 +18,16 @@ Per hop: tokens llama-server recomputed (``timings.prompt_n``), tokens restored,
 
 from __future__ import annotations
 
+import asyncio
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from rich.progress import Progress
+
+from launch import smollm2_path
+from tests.ggufgen import ModelShape, write_random_llama
 
 from .common import (
     Reply,
@@ -110,34 +116,62 @@ def _loop_table(out: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+# Llama-3-8B's KV shape (32 layers, 8 KV heads of 128: 128 KiB per token), generated with random
+# weights: at one llama-server thread its prefill is slow enough that the health loop looks at a
+# restarted server again while a turn runs, which is what lost saves before.
+SHAPE_8B = ModelShape(n_layer=32, n_embd=256, n_head=8, n_head_kv=8, head_dim=128, n_ff=512)
+DOWN_S = 2.5  # a restarted llama-server is down past one health check of its sidecar (every 2 s)
+
+
 async def scenario_server_restarts(redis_url: str, history: int, turns: int, threads: int, max_tokens: int,
-                                   prog: Progress | None = None) -> dict[str, Any]:
-    """2 nodes; before each turn, the llama-server of the node that takes it is restarted (its
-    sidecar keeps running); the turn is sent as soon as llama-server answers its health check."""
-    task = prog.add_task("server restarts", total=2 * turns) if prog else None
-    out: dict[str, Any] = {"history": history, "turns": turns, "nodes": 2, "modes": {}}
-    for mode, sidecar in (("alone", False), ("kvtier", True)):
-        await redis_flush(redis_url)
-        hops: list[dict[str, Any]] = []
-        with cluster(2, base_llama_args(2 * (history + 1024), threads, extra=["-np", "2"]), sidecar=sidecar,
-                     redis_url=redis_url if sidecar else None) as cl:
-            async with client_session() as s:
-                messages = [{"role": "system", "content": "Answer from these records. " + document(history, 60)}]
-                for t in range(turns):
-                    if prog and task is not None:
-                        prog.update(task, description=f"server restarts: {mode}, turn {t + 1}")
-                    if t > 0:
-                        if sidecar:
-                            await wait_idle(s, [cl.url(0), cl.url(1)])  # the last turn's save is done
-                        cl.nodes[t % 2].llama.restart()  # llama-server only
-                    messages.append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)]})
-                    reply = await chat(s, cl.url(t), messages, max_tokens)
-                    messages.append({"role": "assistant", "content": reply.content})
-                    hops.append(_hop(reply, t + 1, t % 2))
-                    if prog and task is not None:
-                        prog.advance(task)
-        out["modes"][mode] = hops
+                                   prog: Progress | None = None, slow_history: int = 0) -> dict[str, Any]:
+    """2 nodes; before each turn, the llama-server of the node that takes it is stopped, left down
+    for ``DOWN_S`` (its sidecar keeps running and sees it down) and started; the turn is sent as soon
+    as llama-server answers its health check. SmolLM2 on ``threads`` threads, and with
+    ``slow_history`` a model with an 8B KV shape on one thread (slow turns)."""
+    with tempfile.TemporaryDirectory(prefix="kvtier-bench-model-") as tmp:
+        models = [("SmolLM2-135M", smollm2_path(), threads, history)]
+        if slow_history:
+            slow = write_random_llama(Path(tmp) / "kv8b.gguf", smollm2_path(), SHAPE_8B)
+            models.append(("8B KV shape (generated), -t 1", str(slow), 1, slow_history))
+        task = prog.add_task("server restarts", total=2 * turns * len(models)) if prog else None
+        out: dict[str, Any] = {"turns": turns, "nodes": 2, "down_s": DOWN_S, "models": []}
+        for name, model, model_threads, model_history in models:
+            row: dict[str, Any] = {"model": name, "history": model_history, "threads": model_threads, "modes": {}}
+            for mode, sidecar in (("alone", False), ("kvtier", True)):
+                if prog and task is not None:
+                    prog.update(task, description=f"server restarts: {name}, {mode}")
+                row["modes"][mode] = await _restart_turns(redis_url, model, model_history, turns, model_threads,
+                                                          max_tokens, sidecar, prog, task)
+            out["models"].append(row)
     return out
+
+
+async def _restart_turns(redis_url: str, model: str, history: int, turns: int, threads: int, max_tokens: int,
+                         sidecar: bool, prog: Progress | None, task: Any) -> list[dict[str, Any]]:
+    await redis_flush(redis_url)
+    hops: list[dict[str, Any]] = []
+    with cluster(2, base_llama_args(2 * (history + 1024), threads, extra=["-np", "2"]), sidecar=sidecar,
+                 redis_url=redis_url if sidecar else None, model=model) as cl:
+        async with client_session() as s:
+            messages = [{"role": "system", "content": "Answer from these records. " + document(history, 60)}]
+            for t in range(turns):
+                if t > 0 and sidecar:
+                    await wait_idle(s, [cl.url(0), cl.url(1)])  # the last turn's save is done
+                llama = cl.nodes[t % 2].llama  # llama-server only: the sidecar keeps running
+                await asyncio.to_thread(llama.stop)
+                await asyncio.sleep(DOWN_S)
+                await asyncio.to_thread(llama.start)
+                messages.append({"role": "user", "content": QUESTIONS[t % len(QUESTIONS)]})
+                reply = await chat(s, cl.url(t), messages, max_tokens)
+                messages.append({"role": "assistant", "content": reply.content})
+                hop = _hop(reply, t + 1, t % 2)
+                if not sidecar:  # what llama-server itself kept (its cache_n): nothing, after a restart
+                    hop["restored"] = reply.prompt_tokens - reply.recomputed_tokens
+                hops.append(hop)
+                if prog and task is not None:
+                    prog.advance(task)
+    return hops
 
 
 async def scenario_save_readable(redis_url: str, sizes: Sequence[int], reps: int, threads: int,
@@ -217,21 +251,26 @@ turn 1 is the first prefill everywhere.
         parts.append("\n")
     if sc.get("server_restarts"):
         rs = sc["server_restarts"]
+        models = rs.get("models") or [{"model": "SmolLM2-135M", "history": rs.get("history", 0), "modes": rs["modes"]}]
         parts.append(f"""
 ## llama-server restarted under a running sidecar
 
 A rolling update of llama-server alone (an OOM kill, a failed liveness probe: the sidecar container keeps
-running): {rs['nodes']} nodes, a {rs['history']:,}-token document, {rs['turns']} turns, and before each turn
-after the first the llama-server of the node that takes it is restarted. kvtier must know of the restart
-before it forwards the turn, and restore the conversation from the tiers as on a fresh node.
-
+running): {rs['nodes']} nodes, {rs['turns']} turns, and before each turn the llama-server of the node that
+takes it is stopped, left down for {rs.get('down_s', 0)} s (its sidecar's health loop sees it down) and
+started again. kvtier must learn the restart once, restore the conversation from the tiers as on a fresh
+node, and store each turn's state though the health loop notices the restart again while the turn runs.
+The slow model (Llama-3-8B's KV shape, 128 KiB per token, one thread) makes turns long. Per turn: tokens
+recomputed / restored (llama-server's `cache_n` alone), TTFT in ms.
 """)
-        modes = list(rs["modes"])
-        parts.append(md_table(
-            ["turn", "node", *(f"{m}: recomputed / restored, TTFT ms" for m in modes)],
-            [[h["turn"], "AB"[h["node"]], *(_cell(rs["modes"][m][i]) for m in modes)]
-             for i, h in enumerate(rs["modes"][modes[0]])]))
-        parts.append("\n")
+        for row in models:
+            modes = list(row["modes"])
+            parts.append(f"\n{row['model']}, a {row['history']:,}-token document:\n\n")
+            parts.append(md_table(
+                ["turn", "node", *(f"{m}: recomputed / restored, TTFT ms" for m in modes)],
+                [[h["turn"], "AB"[h["node"]], *(_cell(row["modes"][m][i]) for m in modes)]
+                 for i, h in enumerate(row["modes"][modes[0]])]))
+            parts.append("\n")
     if sc.get("save_readable"):
         sr = sc["save_readable"]
         parts.append(f"""
