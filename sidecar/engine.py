@@ -282,19 +282,25 @@ class KVEngine:
 
     # -- after the request ------------------------------------------------------------------------
 
-    def finish(self, plan: RequestPlan, *, ok: bool, answer: bytes | None) -> None:
+    def finish(self, plan: RequestPlan, *, ok: bool, answer: bytes | None, cut: bool = False) -> None:
         """Save the slot in the background and release it; the answer (its end, for streams) is
-        read for its timings there too, after it has been delivered."""
+        read for its timings there too, after it has been delivered.
+
+        ``cut``: the client left while llama-server answered. The slot still holds the prompt (and
+        part of an answer), which a re-prompt with the same start reuses on llama-server alone: it
+        is saved and stored too, as what the slot holds (never as a session's turn).
+        """
         record = plan.lease.table.slots[plan.lease.slot]
         record.served = record.saving = True
         record.answered = (plan.tokens, plan.salt) if ok else None
         answered = time.perf_counter()
-        task = asyncio.get_running_loop().create_task(self._save_then_release(plan, ok, answer, answered))
+        task = asyncio.get_running_loop().create_task(self._save_then_release(plan, ok, answer, answered, cut))
         self._pending.add(task)
         self.metrics.pending_saves.set(len(self._pending))
         task.add_done_callback(self._pending.discard)
 
-    async def _save_then_release(self, plan: RequestPlan, ok: bool, answer: bytes | None, answered: float) -> None:
+    async def _save_then_release(self, plan: RequestPlan, ok: bool, answer: bytes | None, answered: float,
+                                 cut: bool = False) -> None:
         lease = plan.lease
         record = lease.table.slots[lease.slot]
         freed = False
@@ -313,7 +319,7 @@ class KVEngine:
         # free again once its state is read; the markers stay until Redis holds what was stored.
         async with self.saver.in_flight(plan.namespace, plan.tokens if ok else NO_TOKENS):
             try:
-                stored = await self._save(plan, ok, answer, free)
+                stored = await self._save(plan, ok, answer, free, cut=cut and plan.session_id is None)
             except Exception as exc:
                 # A failed save (a full slot dir, an unreachable tier) leaves the slot as it was:
                 # what the table knows of it (what was restored or saved last) is still a prefix of it.
@@ -329,9 +335,11 @@ class KVEngine:
             if stored:
                 await self.saver.readable(answered, int(plan.tokens.size))
 
-    async def _save(self, plan: RequestPlan, ok: bool, answer: bytes | None, free: Callable[[], None]) -> bool:
+    async def _save(self, plan: RequestPlan, ok: bool, answer: bytes | None, free: Callable[[], None], *,
+                    cut: bool = False) -> bool:
         """Learn from the answer, then save the slot's state; False when nothing was stored.
-        ``free`` gives the slot back as soon as its state is read (or nothing is to be read)."""
+        ``free`` gives the slot back as soon as its state is read (or nothing is to be read);
+        ``cut`` as in ``finish``."""
         lease = plan.lease
         table = lease.table
         # Let the answer's last bytes reach the client first: on a small host the save (llama-server
@@ -344,7 +352,7 @@ class KVEngine:
                 restored=plan.restored_tokens, layout=target.memory_kind if target is not None else "kv",
                 sharing=plan.sharing):
             self.watcher.doubt()  # a restart it has not noticed yet? Check before the next request
-        if not ok:
+        if not ok and not cut:
             # Nothing from a failed request is cached; what the slot holds now is unknown.
             table.forget(lease.slot)
             free()
@@ -358,7 +366,8 @@ class KVEngine:
 
         def read() -> None:
             # After the save set the slot's tokens (and so forgot what it answered).
-            table.slots[lease.slot].asked = plan.asked
+            if ok:
+                table.slots[lease.slot].asked = plan.asked
             free()
 
         if plan.session_id is not None:
@@ -366,7 +375,8 @@ class KVEngine:
             self.prompts.check(plan.prompt, manifest.tokens)
         else:
             state = await self.saver.save_slot(table, lease.slot, plan.namespace, owner=plan.salt, read=read)
-            self.prompts.check(plan.prompt, state.tokens.tokens)
+            if ok:  # a cut answer's slot may hold part of the prompt only
+                self.prompts.check(plan.prompt, state.tokens.tokens)
         return True
 
     async def _server_changed(self, plan: RequestPlan) -> bool:

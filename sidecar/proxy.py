@@ -61,6 +61,7 @@ class Relay:
     status: int = 0
     upstream_complete: bool = False  # llama-server sent its whole answer
     stream: bool = False
+    client_left: bool = False  # the client went away while llama-server answered
     tail: bytearray = field(default_factory=bytearray)
 
     @property
@@ -122,6 +123,7 @@ async def _relay(request: web.Request, body: bytes, extra_headers: Mapping[str, 
         await response.write_eof()
     except (ConnectionResetError, asyncio.CancelledError) as exc:
         # The client went away: closing upstream makes llama-server stop generating.
+        out.client_left = True
         upstream.close()
         if isinstance(exc, asyncio.CancelledError):
             raise
@@ -236,7 +238,8 @@ async def _completion(request: web.Request, kind: str) -> web.StreamResponse:
     finally:
         # Saved when llama-server finished its answer, even if the client (or a shutdown) cut the
         # last bytes short: the slot then holds a complete, valid state.
-        engine.finish(plan, ok=relay.ok, answer=bytes(relay.tail) if relay.ok else None)
+        engine.finish(plan, ok=relay.ok, answer=bytes(relay.tail) if relay.ok else None,
+                      cut=relay.client_left and relay.status == 200)
         if (forwarder := request.app[FORWARDER]) is not None:
             forwarder.fleet.nudge()  # peers see the slot's new prompt before its save has read it
 
