@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from bench import hop, llama_cpp_python, overhead, report, state, tiers
+from bench import capacity, hop, llama_cpp_python, overhead, report, state, tiers
 
 BENCHMARKS: dict[str, Callable[[list[str]], int | None]] = {
     "tiers": tiers.main,
@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, Callable[[list[str]], int | None]] = {
     "overhead": overhead.main,
     "llama-cpp-python": llama_cpp_python.main,
     "report": report.main,
+    "capacity": capacity.main,
 }
 USAGE = f"usage: python -m bench NAME [options]\n\nNAME: {', '.join(BENCHMARKS)}"
 
