@@ -16,13 +16,9 @@ weighing its tokens x ``--bytes-per-token`` (128 KiB, an 8B model's f16 KV: a bl
 - ``ram+redis``: a RAM tier in front of Redis, as kvtier runs them;
 - ``unbounded``: a cache that never evicts, the ceiling.
 
-Per request, as kvtier does: a lookup of the longest contiguous prefix held by any level; a fetch of
-that prefix (a RAM hit is read from RAM only, so Redis's LRU never sees it; a Redis hit is copied up
-into the RAM tier); then a store of every block a level lacks. A block counts as a hit only when every
-block before it in that request hit too (``hit``); ``held`` also counts the blocks a level held after
-a miss, which kvtier cannot use. The save is modelled as done before the next request arrives
-(requests overlap in reality, so this is an upper bound), and partial-tail reuse finer than the
-trace's blocks is not modelled.
+Each request is served as kvtier's tiered store serves it (``bench.trace_replay``): a block counts as
+a hit only when every block before it in that request hit too (``hit``: kvtier restores the longest
+contiguous prefix); ``held`` also counts the blocks a level held after a miss, which kvtier cannot use.
 """
 
 from __future__ import annotations
@@ -37,291 +33,40 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 
-from tiers.memory import MemoryTier
-from tiers.policies import POLICIES, LRUPolicy
+from tiers.policies import POLICIES
+
+from .trace_replay import (
+    TRACE_BLOCK_TOKENS,
+    Level,
+    RamLevel,
+    RedisLevel,
+    ReplayResult,
+    Request,
+    TraceFacts,
+    UnboundedLevel,
+    load_trace,
+    replay,
+    trace_facts,
+)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TRACE_NAME = "mooncake-fast25-conversation.jsonl"
 DEFAULT_TRACE = REPO_ROOT.parent / "shared" / "traces" / TRACE_NAME
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
 GIB = 1 << 30
-TRACE_BLOCK_TOKENS = 512  # the Mooncake trace hashes prompts in 512-token blocks
 BYTES_PER_TOKEN = 131_072  # 128 KiB: Llama-3-8B f16 KV (32 layers x 8 KV heads x 128 x 2 x 2 bytes)
 BUDGETS_GIB = (64, 128, 256, 512, 1024, 2048, 4096)  # one level alone, and Redis behind RAM
 RAM_IN_FRONT_GIB = (128,)  # RAM tiers put in front of Redis
 
-
-# -- the trace ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Request:
-    """One request of the trace: its block ids, each block's token count and cache key."""
-
-    timestamp_ms: int
-    blocks: tuple[int, ...]
-    sizes: tuple[int, ...]  # tokens per block: all full but the last
-    keys: tuple[bytes, ...]
-
-    @classmethod
-    def of(cls, timestamp_ms: int, input_tokens: int, blocks: Sequence[int],
-           block_tokens: int = TRACE_BLOCK_TOKENS) -> Request:
-        sizes = tuple(min(block_tokens, input_tokens - i * block_tokens) for i in range(len(blocks)))
-        if sizes and sizes[-1] <= 0:
-            raise ValueError(f"{len(blocks)} blocks of {block_tokens} tokens for {input_tokens} input tokens")
-        return cls(timestamp_ms, tuple(blocks), sizes, tuple(b.to_bytes(8, "little", signed=True) for b in blocks))
-
-
-def load_trace(path: Path, block_tokens: int = TRACE_BLOCK_TOKENS) -> list[Request]:
-    """The requests of a Mooncake-format JSONL trace, in timestamp order (ties keep file order).
-
-    Raises:
-        ValueError: a line that is not such a request (its number in the message).
-    """
-    requests = []
-    with path.open() as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                ids = row["hash_ids"]
-                if not all(isinstance(i, int) for i in ids):
-                    raise ValueError("hash_ids must be integers")
-                requests.append(Request.of(int(row["timestamp"]), int(row["input_length"]), ids, block_tokens))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path.name} line {n}: not a trace request ({exc})") from None
-    return sorted(requests, key=lambda r: r.timestamp_ms)
-
-
-@dataclass(frozen=True, slots=True)
-class TraceFacts:
-    requests: int
-    blocks: int
-    tokens: int
-    distinct_blocks: int
-    distinct_tokens: int  # what an unbounded cache holds at the end
-    repeat_blocks: int  # references to a block seen earlier: an unbounded cache's hits
-    repeat_tokens: int
-
-    @property
-    def repeat_fraction(self) -> float:
-        return self.repeat_blocks / self.blocks if self.blocks else 0.0
-
-
-def trace_facts(requests: Iterable[Request]) -> TraceFacts:
-    seen: set[int] = set()
-    n = blocks = tokens = repeats = repeat_tokens = distinct_tokens = 0
-    for req in requests:
-        n += 1
-        for block, size in zip(req.blocks, req.sizes):
-            blocks += 1
-            tokens += size
-            if block in seen:
-                repeats += 1
-                repeat_tokens += size
-            else:
-                seen.add(block)
-                distinct_tokens += size
-    return TraceFacts(n, blocks, tokens, len(seen), distinct_tokens, repeats, repeat_tokens)
-
-
-# -- cache levels ---------------------------------------------------------------------------------
-
-
-class Level(Protocol):
-    name: str
-    write_behind: bool  # a background tier (Redis): never promoted into
-
-    async def holds(self, keys: Sequence[bytes]) -> list[bool]:
-        """Presence, without touching recency (EXISTS, ``contains_many``)."""
-        ...
-
-    async def read(self, keys: Sequence[bytes]) -> set[bytes]:
-        """Fetch the keys in chain order; returns those held (their recency is refreshed)."""
-        ...
-
-    async def write(self, items: Mapping[bytes, int]) -> None:
-        """Store keys of one chain, in chain order, each weighing the given tokens."""
-        ...
-
-
-class RamLevel:
-    """kvtier's RAM tier as it runs: ``MemoryTier`` and its policy, one byte standing for one token."""
-
-    write_behind = False
-
-    def __init__(self, capacity_tokens: int, policy: str):
-        self.name = f"ram-{policy}"
-        self.tier = MemoryTier(capacity_tokens, policy=policy, name=self.name)
-        self._values: dict[int, bytes] = {}  # one shared value per size: the tier only measures them
-
-    async def holds(self, keys: Sequence[bytes]) -> list[bool]:
-        return await self.tier.contains_many(keys)
-
-    async def read(self, keys: Sequence[bytes]) -> set[bytes]:
-        return set(await self.tier.get_many(keys))
-
-    async def write(self, items: Mapping[bytes, int]) -> None:
-        await self.tier.put_many({k: self._value(n) for k, n in items.items()})
-
-    def _value(self, n: int) -> bytes:
-        if n not in self._values:
-            self._values[n] = bytes(n)
-        return self._values[n]
-
-
-class RedisLevel:
-    """Redis under ``maxmemory`` with ``allkeys-lru``, modelled as exact LRU (``LRUPolicy``).
-
-    Redis refreshes a key on GET and SET, in the order the pipeline sends them (chain order: unlike
-    the RAM tier, a chain's root is its least recent key), and not on EXISTS. A value larger than
-    the whole budget is not kept.
-    """
-
-    write_behind = True
-
-    def __init__(self, capacity_tokens: int, name: str = "redis-lru"):
-        self.name = name
-        self.capacity = capacity_tokens
-        self._policy = LRUPolicy()
-        self._sizes: dict[bytes, int] = {}
-        self._used = 0
-
-    async def holds(self, keys: Sequence[bytes]) -> list[bool]:
-        return [k in self._sizes for k in keys]
-
-    async def read(self, keys: Sequence[bytes]) -> set[bytes]:
-        found = {k for k in keys if k in self._sizes}
-        for key in keys:
-            if key in found:
-                self._policy.on_access(key)
-        return found
-
-    async def write(self, items: Mapping[bytes, int]) -> None:
-        for key, size in items.items():
-            if size > self.capacity:
-                continue
-            old = self._sizes.pop(key, None)
-            if old is not None:
-                self._used -= old
-                self._policy.on_remove(key)
-            while self._used + size > self.capacity and self._sizes:
-                self._used -= self._sizes.pop(self._policy.victim())
-            self._sizes[key] = size
-            self._used += size
-            self._policy.on_insert(key, size)
-
-
-class UnboundedLevel:
-    """A cache that keeps everything: the ceiling any budget can reach."""
-
-    name = "unbounded"
-    write_behind = False
-
-    def __init__(self) -> None:
-        self._keys: set[bytes] = set()
-
-    async def holds(self, keys: Sequence[bytes]) -> list[bool]:
-        return [k in self._keys for k in keys]
-
-    async def read(self, keys: Sequence[bytes]) -> set[bytes]:
-        return {k for k in keys if k in self._keys}
-
-    async def write(self, items: Mapping[bytes, int]) -> None:
-        self._keys.update(items)
-
-
-# -- the replay -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class ReplayResult:
-    """What the levels served over a trace (blocks and tokens)."""
-
-    blocks: int
-    tokens: int
-    hit_blocks: int  # served: the longest contiguous prefix the levels held
-    hit_tokens: int  # = prefill tokens saved
-    held_blocks: int  # held by some level at lookup, wherever they stand in the request
-    held_tokens: int
-    served_tokens: tuple[int, ...]  # hit tokens per level, fastest first
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hit_blocks / self.blocks if self.blocks else 0.0
-
-    @property
-    def token_hit_rate(self) -> float:
-        return self.hit_tokens / self.tokens if self.tokens else 0.0
-
-    @property
-    def held_rate(self) -> float:
-        return self.held_blocks / self.blocks if self.blocks else 0.0
-
-
-async def replay(requests: Iterable[Request], levels: Sequence[Level]) -> ReplayResult:
-    """Serve every request through ``levels`` (fastest first) as kvtier's tiered store does."""
-    blocks = tokens = hit_blocks = hit_tokens = held_blocks = held_tokens = 0
-    served = [0] * len(levels)
-    for req in requests:
-        holder = await _lookup(req.keys, levels)
-        n = next((i for i, h in enumerate(holder) if h is None), len(holder))
-        blocks += len(req.keys)
-        tokens += sum(req.sizes)
-        hit_blocks += n
-        hit_tokens += sum(req.sizes[:n])
-        held_blocks += sum(h is not None for h in holder)
-        held_tokens += sum(s for s, h in zip(req.sizes, holder) if h is not None)
-        for li, i in await _fetch(req, n, levels):
-            served[li] += req.sizes[i]
-        for level in levels:  # the save after the answer: each level gets what it lacks
-            present = await level.holds(req.keys)
-            missing = {k: s for k, s, ok in zip(req.keys, req.sizes, present) if not ok}
-            if missing:
-                await level.write(missing)
-    return ReplayResult(blocks, tokens, hit_blocks, hit_tokens, held_blocks, held_tokens, tuple(served))
-
-
-async def _lookup(keys: Sequence[bytes], levels: Sequence[Level]) -> list[int | None]:
-    """The fastest level holding each key (``TieredStore.lookup_chain``)."""
-    holder: list[int | None] = [None] * len(keys)
-    for li, level in enumerate(levels):
-        todo = [i for i, h in enumerate(holder) if h is None]
-        if not todo:
-            break
-        for i, ok in zip(todo, await level.holds([keys[i] for i in todo])):
-            if ok:
-                holder[i] = li
-    return holder
-
-
-async def _fetch(req: Request, n: int, levels: Sequence[Level]) -> list[tuple[int, int]]:
-    """Read the first ``n`` blocks from the fastest level holding each, then copy the ones found
-    lower down into the synchronous levels above (``VerifiedReader``, ``Promoter``). Returns
-    (level, block index) per block served."""
-    todo = list(range(n))
-    source: dict[int, int] = {}
-    for li, level in enumerate(levels):
-        if not todo:
-            break
-        found = await level.read([req.keys[i] for i in todo])
-        source.update({i: li for i in todo if req.keys[i] in found})
-        todo = [i for i in todo if i not in source]
-    for li, level in enumerate(levels):
-        up = {req.keys[i]: req.sizes[i] for i in sorted(source) if source[i] > li}
-        if up and not level.write_behind:
-            await level.write(up)
-    return [(li, i) for i, li in source.items()]
 
 
 # -- setups ---------------------------------------------------------------------------------------
@@ -390,14 +135,15 @@ def run_all(requests: Sequence[Request], trace: Path, plan: Sequence[Setup], byt
 
 def row(setup: Setup, result: ReplayResult, ceiling: ReplayResult, bytes_per_token: int) -> dict[str, Any]:
     """One result as the JSON and the table show it."""
-    redis_tokens = result.served_tokens[-1] if setup.redis_gib and result.served_tokens else 0
+    redis = setup.redis_gib > 0 and len(result.served_tokens) > 0
+    read, written = (result.served_tokens[-1], result.written_tokens[-1]) if redis else (0, 0)
     return {
         "setup": setup.name, "ram_gib": setup.ram_gib, "ram_policy": setup.ram_policy if setup.ram_gib else None,
         "redis_gib": setup.redis_gib, "hit_rate": round(result.hit_rate, 4),
         "token_hit_rate": round(result.token_hit_rate, 4), "held_rate": round(result.held_rate, 4),
         "of_ceiling": round(result.hit_blocks / ceiling.hit_blocks, 4) if ceiling.hit_blocks else 0.0,
-        "prefill_tokens_saved": result.hit_tokens, "redis_gib_read": round(redis_tokens * bytes_per_token / GIB, 1),
-        **{k: v for k, v in asdict(result).items() if k != "served_tokens"},
+        "prefill_tokens_saved": result.hit_tokens, "redis_gib_read": round(read * bytes_per_token / GIB, 1),
+        "redis_gib_written": round(written * bytes_per_token / GIB, 1), **asdict(result),
     }
 
 
@@ -409,14 +155,14 @@ def print_table(rows: Sequence[Mapping[str, Any]], facts: TraceFacts, bytes_per_
     table = Table(title=f"Hit rates on {facts.requests:,} requests, {facts.blocks:,} block references, "
                         f"{bytes_per_token / 1024:g} KiB/token", title_justify="left")
     for name in ("setup", "RAM GiB", "Redis GiB", "hit %", "held %", "token hit %", "of ceiling %",
-                 "prefill saved (M tokens)", "Redis read GiB"):
+                 "saved M tokens", "Redis read GiB", "Redis written GiB"):
         table.add_column(name, justify="left" if name == "setup" else "right")
     for r in rows:
         table.add_row(
             r["setup"], f"{r['ram_gib']:g}" if r["ram_gib"] else "", f"{r['redis_gib']:g}" if r["redis_gib"] else "",
             f"{100 * r['hit_rate']:.1f}", f"{100 * r['held_rate']:.1f}", f"{100 * r['token_hit_rate']:.1f}",
             f"{100 * r['of_ceiling']:.1f}", f"{r['prefill_tokens_saved'] / 1e6:.1f}",
-            f"{r['redis_gib_read']:g}" if r["redis_gib"] else "",
+            *((f"{r['redis_gib_read']:,.0f}", f"{r['redis_gib_written']:,.0f}") if r["redis_gib"] else ("", "")),
         )
     console.print(table)
     console.print(f"Unbounded footprint: {facts.distinct_tokens * bytes_per_token / GIB:,.0f} GiB "

@@ -12,19 +12,16 @@ from pathlib import Path
 import pytest
 
 from bench.__main__ import BENCHMARKS
-from bench.capacity import (
-    GIB,
+from bench.capacity import GIB, Setup, main, run_setup
+from bench.trace_replay import (
     Level,
     RamLevel,
     RedisLevel,
     ReplayResult,
     Request,
-    Setup,
     UnboundedLevel,
     load_trace,
-    main,
     replay,
-    run_setup,
     trace_facts,
 )
 
@@ -64,6 +61,7 @@ def test_an_unbounded_cache_hits_exactly_the_repeats_and_so_does_any_big_enough_
     assert (ceiling.hit_blocks, ceiling.hit_tokens) == (facts.repeat_blocks, facts.repeat_tokens)
     assert ceiling.held_blocks == ceiling.hit_blocks  # ids name prefixes: nothing is held past a gap
     assert (ceiling.blocks, ceiling.tokens) == (facts.blocks, facts.tokens)
+    assert ceiling.written_tokens == (facts.distinct_tokens,)
     for level in (RamLevel(facts.distinct_tokens, "s3fifo"), RamLevel(facts.distinct_tokens, "lru"),
                   RedisLevel(facts.distinct_tokens)):
         assert run(trace, level) == ceiling, level.name
@@ -102,6 +100,7 @@ def test_a_ram_tier_in_front_of_redis_takes_redis_hits_up_and_hides_its_own_from
     # 1 leaves the 2-token RAM tier; Redis serves it and it is copied up, so next time RAM does.
     result = run(chains([1], [2], [3], [1], [1]), ram, redis)
     assert result.served_tokens == (1, 1) and result.hit_blocks == 2
+    assert result.written_tokens == (3 + 1, 3)  # the copy up is a write into RAM, not into Redis
     assert asyncio.run(ram.holds([b"\1" + bytes(7)])) == [True]
     # Redis alone: reading 1 makes it more recent than 2, which goes when 3 arrives.
     keys = [k for r in chains([1], [2], [3]) for k in r.keys]
