@@ -68,7 +68,6 @@ BUDGETS_GIB = (64, 128, 256, 512, 1024, 2048, 4096)  # one level alone, and Redi
 RAM_IN_FRONT_GIB = (128,)  # RAM tiers put in front of Redis
 
 
-
 # -- setups ---------------------------------------------------------------------------------------
 
 
@@ -83,9 +82,10 @@ class Setup:
     unbounded: bool = False
 
     def levels(self, bytes_per_token: int) -> list[Level]:
-        levels: list[Level] = []
+        """Its levels, fastest first, each budget in tokens; none for a zero budget."""
         if self.unbounded:
             return [UnboundedLevel()]
+        levels: list[Level] = []
         ram, redis = (int(gib * GIB) // bytes_per_token for gib in (self.ram_gib, self.redis_gib))
         if ram > 0:
             levels.append(RamLevel(ram, self.ram_policy))

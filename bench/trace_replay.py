@@ -68,7 +68,7 @@ def load_trace(path: Path, block_tokens: int = TRACE_BLOCK_TOKENS) -> list[Reque
                 if not all(isinstance(i, int) for i in ids):
                     raise ValueError("hash_ids must be integers")
                 requests.append(Request.of(int(row["timestamp"]), int(row["input_length"]), ids, block_tokens))
-            except (ValueError, KeyError, TypeError) as exc:
+            except (ValueError, KeyError, TypeError, OverflowError) as exc:
                 raise ValueError(f"{path.name} line {n}: not a trace request ({exc})") from None
     return sorted(requests, key=lambda r: r.timestamp_ms)
 

@@ -124,7 +124,9 @@ def test_load_trace_orders_by_time_and_sizes_the_partial_last_block(tmp_path: Pa
     assert [r.sizes for r in trace] == [(512, 512), (512, 512, 76), (10,)]
     assert trace_facts(trace).repeat_blocks == 1
     for bad in ('{"timestamp": 1}', "not json", '{"timestamp": 1, "input_length": 100, "hash_ids": [1, 2]}',
-                '{"timestamp": 1, "input_length": 100, "hash_ids": ["a"]}'):
+                '{"timestamp": 1, "input_length": 100, "hash_ids": ["a"]}', '[1]',
+                '{"timestamp": 1, "input_length": 100, "hash_ids": [1e30]}',
+                '{"timestamp": 1, "input_length": 100, "hash_ids": [100000000000000000000000]}'):
         path.write_text(json.dumps(rows[0]) + "\n" + bad + "\n")
         with pytest.raises(ValueError, match="trace.jsonl line 2: not a trace request"):
             load_trace(path)
