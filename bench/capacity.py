@@ -165,9 +165,12 @@ def print_table(rows: Sequence[Mapping[str, Any]], facts: TraceFacts, bytes_per_
             *((f"{r['redis_gib_read']:,.0f}", f"{r['redis_gib_written']:,.0f}") if r["redis_gib"] else ("", "")),
         )
     console.print(table)
-    console.print(f"Unbounded footprint: {facts.distinct_tokens * bytes_per_token / GIB:,.0f} GiB "
-                  f"({facts.distinct_blocks:,} blocks); repeat ceiling {100 * facts.repeat_fraction:.1f}% of blocks. "
-                  "hit: the longest contiguous prefix (what kvtier restores); held: any block a level held.")
+    new_kv = facts.distinct_tokens * bytes_per_token / GIB
+    console.print(f"Unbounded footprint: {new_kv:,.0f} GiB ({facts.distinct_blocks:,} blocks; "
+                  f"{new_kv / max(facts.duration_s, 1):.2f} GiB/s of new KV over {facts.duration_s:,.0f} s); "
+                  f"repeat ceiling {100 * facts.repeat_fraction:.1f}% of blocks; a repeated block's previous use "
+                  "was {:.0f} / {:.0f} / {:.0f} s before (25th / 50th / 90th percentile).".format(*facts.reuse_gap_s))
+    console.print("hit: the longest contiguous prefix (what kvtier restores); held: any block a level held.")
 
 
 def trace_digest(path: Path) -> str:

@@ -82,27 +82,33 @@ class TraceFacts:
     distinct_tokens: int  # what an unbounded cache holds at the end
     repeat_blocks: int  # references to a block seen earlier: an unbounded cache's hits
     repeat_tokens: int
+    duration_s: float  # first to last request
+    reuse_gap_s: tuple[float, float, float]  # time since a repeated block's last use: 25th, 50th, 90th percentile
 
     @property
     def repeat_fraction(self) -> float:
         return self.repeat_blocks / self.blocks if self.blocks else 0.0
 
 
-def trace_facts(requests: Iterable[Request]) -> TraceFacts:
-    seen: set[int] = set()
-    n = blocks = tokens = repeats = repeat_tokens = distinct_tokens = 0
+def trace_facts(requests: Sequence[Request]) -> TraceFacts:
+    last_use: dict[int, int] = {}  # block -> ms
+    gaps: list[int] = []
+    blocks = tokens = repeat_tokens = distinct_tokens = 0
     for req in requests:
-        n += 1
         for block, size in zip(req.blocks, req.sizes):
             blocks += 1
             tokens += size
-            if block in seen:
-                repeats += 1
+            if block in last_use:
+                gaps.append(req.timestamp_ms - last_use[block])
                 repeat_tokens += size
             else:
-                seen.add(block)
                 distinct_tokens += size
-    return TraceFacts(n, blocks, tokens, len(seen), distinct_tokens, repeats, repeat_tokens)
+            last_use[block] = req.timestamp_ms
+    gaps.sort()
+    gap = tuple(gaps[int(q * (len(gaps) - 1))] / 1000 if gaps else 0.0 for q in (0.25, 0.5, 0.9))
+    duration = (requests[-1].timestamp_ms - requests[0].timestamp_ms) / 1000 if requests else 0.0
+    return TraceFacts(len(requests), blocks, tokens, len(last_use), distinct_tokens, len(gaps), repeat_tokens,
+                      duration, (gap[0], gap[1], gap[2]))
 
 
 # -- cache levels ---------------------------------------------------------------------------------

@@ -122,7 +122,8 @@ def test_load_trace_orders_by_time_and_sizes_the_partial_last_block(tmp_path: Pa
     trace = load_trace(path)
     assert [r.blocks for r in trace] == [(0, 3), (0, 1, 2), (4,)]
     assert [r.sizes for r in trace] == [(512, 512), (512, 512, 76), (10,)]
-    assert trace_facts(trace).repeat_blocks == 1
+    facts = trace_facts(trace)
+    assert (facts.repeat_blocks, facts.duration_s, facts.reuse_gap_s) == (1, 0.01, (0.01, 0.01, 0.01))
     for bad in ('{"timestamp": 1}', "not json", '{"timestamp": 1, "input_length": 100, "hash_ids": [1, 2]}',
                 '{"timestamp": 1, "input_length": 100, "hash_ids": ["a"]}', '[1]',
                 '{"timestamp": 1, "input_length": 100, "hash_ids": [1e30]}',
