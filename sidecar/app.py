@@ -26,6 +26,7 @@ from .appkeys import ENGINE, FORWARDER, METRICS, REDIS, SETTINGS, STORE, UPSTREA
 from .config import Settings
 from .engine import KVEngine
 from .forward import fleet_resources
+from .logs import MalformedRequestFilter
 from .metrics import Metrics
 from .middlewares import front_middleware
 from .prewarm import prewarm_forever
@@ -33,6 +34,11 @@ from .routes import auth_policy, route_defs
 from .upstream import Upstream
 
 log = logging.getLogger("kvtier.app")
+
+# What aiohttp's request handler logs (requests it cannot parse, handlers that fail past the
+# middlewares): malformed requests as one line, not an ERROR with a traceback.
+HTTP_LOG = logging.getLogger("kvtier.http")
+HTTP_LOG.addFilter(MalformedRequestFilter())
 
 HEALTH_INTERVAL_S = 2.0
 RELAY_KEEPALIVE_S = 4.0  # idle relay connections kept (llama-server closes them after 5 s)
@@ -43,6 +49,7 @@ SERVER_OPTIONS = {
     # After an answer given before the whole body arrived (408, 413, 401), aiohttp reads and drops
     # the rest for at most this long, then closes (its default, 10 s, holds a slow sender longer).
     "lingering_time": 2.0,
+    "logger": HTTP_LOG,
 }
 
 

@@ -9,6 +9,8 @@ import os
 import sys
 from typing import TextIO
 
+from aiohttp.http_exceptions import HttpProcessingError
+
 # Set by the front middleware for the length of a request; tasks the request starts inherit it.
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
 
@@ -23,6 +25,32 @@ class RequestIdFilter(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.request_id = request_id.get()
         return True
+
+
+class MalformedRequestFilter(logging.Filter):
+    """Turns aiohttp's report of a request it could not parse into one INFO line.
+
+    aiohttp answers a bad request line, bad headers or bad chunked framing with 400 itself and
+    logs it as an ERROR with the parser's traceback: noise any client can write into the log at
+    will, and nothing in kvtier to fix. Installed on the logger given to aiohttp's request
+    handler (``app.SERVER_OPTIONS``), which also reports real errors: those keep their level and
+    traceback.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.levelno, record.levelname = logging.INFO, "INFO"  # the client's mistake, not kvtier's
+            record.msg, record.args = "malformed HTTP request from %s answered %s: %s", (
+                (record.args or ("?",))[0] if isinstance(record.args, tuple) else "?", exc.code,
+                _one_line(exc.message))
+            record.exc_info = record.exc_text = None
+        return True
+
+
+def _one_line(message: str) -> str:
+    # aiohttp's parser messages quote the offending bytes over several lines (a caret under them).
+    return " ".join(message.split())[:200]
 
 
 class JsonFormatter(logging.Formatter):

@@ -1,0 +1,95 @@
+"""Requests that crashed llama-server behind kvtier, bloated kvtier's memory, or made it answer 500 or
+log a traceback, against a real sidecar, llama-server and Valkey (docs/security.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+from sidecar.config import Settings
+from tests.servers import LlamaServer, RedisProc, llama_server
+from tests.sidecars import Sidecar, post, run_sidecar
+
+pytestmark = pytest.mark.llama
+
+
+@dataclass
+class Node:
+    sc: Sidecar
+    llama: LlamaServer
+    redis: RedisProc
+
+
+def settings_for(llama: LlamaServer, redis_url: str, **kw: Any) -> Settings:
+    return replace(Settings(llama_url=llama.url, slot_dir=str(llama.slot_dir), redis_url=redis_url,
+                            node_id="requests", chunk_tokens=64, cache_size=256 << 20), **kw)
+
+
+@pytest_asyncio.fixture(scope="module")
+async def node(redis_srv: RedisProc, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Node]:
+    tmp: Path = tmp_path_factory.mktemp("requests")
+    with llama_server(tmp, "-np", "2") as llama:
+        async with run_sidecar(settings_for(llama, redis_srv.url)) as sc:
+            assert await sc.engine.ensure_ready()
+            yield Node(sc, llama, redis_srv)
+
+
+def _chat(**kw: Any) -> dict[str, Any]:
+    return {"messages": [{"role": "user", "content": "Answer yes or no: is the sky blue?"}], "max_tokens": 4,
+            "temperature": 0, **kw}
+
+
+def _completion(**kw: Any) -> dict[str, Any]:
+    return {"prompt": "Q: Is the sky blue? Answer yes or no.\nA:", "n_predict": 4, "temperature": 0, **kw}
+
+
+# -- 15: malformed HTTP ----------------------------------------------------------------------------------------
+
+MALFORMED = {
+    "request line": b"GET / HTTP/9.Z\r\nHost: x\r\n\r\n",
+    "header without colon": b"GET /healthz HTTP/1.1\r\nHost: x\r\nnocolon\r\n\r\n",
+    "space in header name": b"GET /healthz HTTP/1.1\r\nHost: x\r\nBad Header: y\r\n\r\n",
+    "NUL in header": b"GET /healthz HTTP/1.1\r\nHost: x\r\nX: a\x00b\r\n\r\n",
+    "Content-Length": b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n",
+    "chunk size": b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\nabc\r\n0\r\n\r\n",
+    "chunk end": b"PUT /v1/sessions/x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabcXX0\r\n\r\n",
+    "chunked and length": b"POST /props HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nContent-Length: 3\r\n\r\n"
+                          b"3\r\nabc\r\n0\r\n\r\n",
+    "long line": b"GET /" + b"a" * 20_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n",
+}
+
+
+async def _send_raw(url: str, data: bytes) -> bytes:
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(data)
+    try:
+        async with asyncio.timeout(5):
+            return await reader.read()
+    finally:
+        writer.close()
+
+
+async def test_malformed_http_gets_400_and_one_line_without_a_traceback(node: Node,
+                                                                       caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    for name, data in MALFORMED.items():
+        caplog.clear()
+        answer = await _send_raw(node.sc.url, data)
+        assert answer.split(b"\r\n", 1)[0].endswith(b" 400 Bad Request"), (name, answer[:200])
+        await asyncio.sleep(0.05)
+        seen = [r for r in caplog.records if r.levelno >= logging.INFO and r.name.startswith(("aiohttp", "kvtier.http"))]
+        assert len(seen) <= 1, (name, [r.getMessage() for r in seen])
+        bad = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+        assert not bad, (name, [(r.name, r.levelname, r.getMessage()) for r in bad])
+    ok = await post(node.sc.url + "/completion", _completion(n_predict=1))
+    assert ok.status == 200, ok.text[:300]
+    await node.sc.engine.drain(30)
+
