@@ -94,6 +94,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
                       events=redis.events if redis is not None else None, witness=upstream.witness,
                       pending=PendingSaves(redis.connection) if redis is not None else None)
     metrics.attach_cost(engine.cost)
+    # The table of the moment: the watcher replaces it when llama-server restarts.
+    metrics.attach_queue(lambda: engine.slots.queue_depth if engine.slots is not None else 0)
     app[UPSTREAM] = upstream
     app[STORE] = store
     app[REDIS] = redis.tier if redis is not None else None

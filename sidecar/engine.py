@@ -187,9 +187,7 @@ class KVEngine:
         tokens = prompt.tokens
         lease: Lease | None = None
         try:
-            self.metrics.slot_queue.set(table.queue_depth + 1)
             lease = await table.acquire(tokens, want=want_slot, timeout=timeout, owner=salt)
-            self.metrics.slot_queue.set(table.queue_depth)
             plan = RequestPlan(tokens, lease, target.namespace_for(salt), salt, session_id, prompt, asked=asked,
                                generation=self.watcher.generation, sharing=table.computing - 1)
             if session_id is not None:

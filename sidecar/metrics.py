@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -64,6 +66,17 @@ class _PrefillCollector:
         yield rates
 
 
+class _QueueCollector:
+    """Requests waiting for a slot, counted in the slot table at scrape time: a gauge set when a
+    request joined the queue kept its peak after waiters that gave up had left it."""
+
+    def __init__(self) -> None:
+        self.depth: Callable[[], int] = lambda: 0  # until the app knows its engine
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        yield GaugeMetricFamily("kvtier_slot_queue_depth", "Requests waiting for a slot", value=self.depth())
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -110,13 +123,18 @@ class Metrics:
                                        "kvtier, 0 while llama-server is asked", ["step"], registry=r)
         self.bytes_restored = Counter("kvtier_bytes_restored", "State bytes restored into llama-server", registry=r)
         self.bytes_saved = Counter("kvtier_bytes_saved", "New chunk bytes stored", registry=r)
-        self.slot_queue = Gauge("kvtier_slot_queue_depth", "Requests waiting for a slot", registry=r)
+        self._queue = _QueueCollector()
+        r.register(self._queue)
         self.pending_saves = Gauge("kvtier_pending_saves", "Slot saves not finished yet", registry=r)
         self.prewarmed = Counter("kvtier_prewarmed_chunks", "Chunks copied into local tiers from peers' events", registry=r)
         self.redis_circuit = Gauge("kvtier_redis_circuit_open", "1 while the Redis circuit breaker is open", registry=r)
 
     def attach_store(self, store: TieredStore) -> None:
         self.registry.register(_TierCollector(store))
+
+    def attach_queue(self, depth: Callable[[], int]) -> None:
+        """Where ``kvtier_slot_queue_depth`` is read from: a function giving the waiting requests."""
+        self._queue.depth = depth
 
     def attach_cost(self, cost: CostModel) -> None:
         self.registry.register(_PrefillCollector(cost))

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import pytest_asyncio
 
@@ -91,5 +92,41 @@ async def test_malformed_http_gets_400_and_one_line_without_a_traceback(node: No
         assert not bad, (name, [(r.name, r.levelname, r.getMessage()) for r in bad])
     ok = await post(node.sc.url + "/completion", _completion(n_predict=1))
     assert ok.status == 200, ok.text[:300]
+    await node.sc.engine.drain(30)
+
+
+# -- 14: the queue gauge after waiters leave --------------------------------------------------------------------
+
+
+async def _queue_gauge(url: str) -> float:
+    async with aiohttp.ClientSession() as s, s.get(url + "/metrics") as r:
+        text = await r.text()
+    return float(next(line.split()[1] for line in text.splitlines() if line.startswith("kvtier_slot_queue_depth ")))
+
+
+async def test_the_queue_gauge_falls_when_waiting_clients_leave(node: Node) -> None:
+    """Two long generations hold both slots; three more requests wait and give up: the gauge shows
+    them while they wait and 0 once they are gone (it kept its peak before)."""
+    async def request(give_up_s: float) -> None:
+        body = {"prompt": "Once upon a time", "n_predict": 2000, "ignore_eos": True, "temperature": 0}
+        try:
+            async with asyncio.timeout(give_up_s), aiohttp.ClientSession() as s, \
+                    s.post(node.sc.url + "/completion", json=body) as r:
+                await r.read()
+        except TimeoutError:
+            pass
+
+    holders = [asyncio.create_task(request(8)) for _ in range(2)]
+    await asyncio.sleep(1.0)
+    waiters = [asyncio.create_task(request(1.5)) for _ in range(3)]
+    await asyncio.sleep(0.7)
+    assert await _queue_gauge(node.sc.url) == 3
+    await asyncio.gather(*waiters)
+    await asyncio.sleep(0.2)
+    assert node.sc.engine.slots.queue_depth == 0
+    assert await _queue_gauge(node.sc.url) == 0
+    for task in holders:
+        task.cancel()
+    await asyncio.gather(*holders, return_exceptions=True)
     await node.sc.engine.drain(30)
 
