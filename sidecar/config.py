@@ -132,6 +132,12 @@ class Settings:
     body_timeout: float = _option(60.0, "seconds a client has to send a request body; slower ones get 408", _float)
     max_prompt_chars: int = _option(0, "longest prompt text (characters) a completion may carry, checked before it "
                                        "is tokenized; longer ones get 400 (0 = the slots' context size x 32)", _int)
+    max_json_values: int = _option(1_000_000, "most JSON values (and object keys) a completion body may hold, counted "
+                                              "before it is parsed; more get 400 (parsed, a value costs kvtier 8-184 "
+                                              "bytes; 0 = no limit)", _int)
+    max_json_depth: int = _option(128, "deepest nesting of arrays and objects a completion body (a JSON schema in it "
+                                       "too) may have; deeper get 400 (1-254: kvtier re-encodes bodies with orjson, "
+                                       "which stops at 255)", _int)
     allow_slot_actions: bool = _option(False, "pass clients' POST /slots/N?action=save|restore|erase to llama-server "
                                               "(with the bearer token when one is set); off: 403, kvtier owns the "
                                               "slots", _bool)
@@ -313,6 +319,10 @@ def validate(s: Settings) -> None:
         raise ConfigError("body_timeout must be positive")
     if s.max_prompt_chars < 0:
         raise ConfigError("max_prompt_chars must not be negative")
+    if s.max_json_values < 0:
+        raise ConfigError("max_json_values must not be negative")
+    if not 1 <= s.max_json_depth <= 254:
+        raise ConfigError(f"max_json_depth must be in 1..254, got {s.max_json_depth}")
     if s.queue_limit <= 0:
         raise ConfigError("queue_limit must be positive")
     if not 0 <= s.save_wait <= 60:

@@ -23,6 +23,8 @@ from integrations.llama_server import LlamaServerError, stream_finished
 from tiers.sessions import validate_session_id
 
 from .appkeys import ENGINE, FORWARDER, METRICS, SETTINGS, UPSTREAM
+from .bodyguard import BodyLimits, shape_problem
+from .config import Settings
 from .forward import may_forward, route_or_none
 from .middlewares import client_gone, json_error, read_body, request_id
 from .prompts import asked_of
@@ -160,17 +162,12 @@ async def _completion(request: web.Request, kind: str) -> web.StreamResponse:
     metrics = request.app[METRICS]
     raw = await read_body(request)
     raw = raw.removeprefix(_UTF8_BOM)  # llama-server's parser (nlohmann::json) skips a BOM too
-    try:
-        body: Any = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
+    body = read_completion(raw, body_limits(request.app[SETTINGS]))
+    if isinstance(body, str):
         # Never passed on as it came: llama-server would run it on a slot of its own choosing,
-        # around the tenant rules. orjson refuses a little that llama-server reads (nesting past
-        # 1024 levels, NaN, numbers past a double's range, lone surrogates); no completion needs those.
+        # around the tenant rules.
         metrics.requests.labels(kind, "invalid").inc()
-        return json_error(400, f"request body is not JSON kvtier can read: {str(exc)[:200]}")
-    if not isinstance(body, dict):
-        metrics.requests.labels(kind, "invalid").inc()
-        return json_error(400, "request body must be a JSON object")
+        return json_error(400, body)
     if not await engine.ensure_ready():
         # Without its slot table kvtier cannot keep tenants apart: no request goes past it.
         metrics.requests.labels(kind, "unavailable").inc()
@@ -273,6 +270,29 @@ async def _erase_then_release(engine: Any, lease: Any) -> None:
     finally:
         lease.table.forget(lease.slot)
         lease.release()
+
+
+def read_completion(raw: bytes, limits: BodyLimits) -> dict[str, Any] | str:
+    """A completion body as a JSON object, or why it is refused.
+
+    Its shape (values, nesting) is checked before it is parsed (``bodyguard``: parsing builds
+    every value). orjson refuses a little more that llama-server reads (NaN,
+    numbers past a double's range, lone surrogates); no completion needs those.
+    """
+    too_big = shape_problem(raw, limits)
+    if too_big is not None:
+        return too_big
+    try:
+        body: Any = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        return f"request body is not JSON kvtier can read: {str(exc)[:200]}"
+    if not isinstance(body, dict):
+        return "request body must be a JSON object"
+    return body
+
+
+def body_limits(settings: Settings) -> BodyLimits:
+    return BodyLimits(settings.max_json_values, settings.max_json_depth)
 
 
 def _prompt_too_long(request: web.Request, raw: bytes, body: Mapping[str, Any]) -> str | None:

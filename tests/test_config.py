@@ -47,6 +47,8 @@ SAMPLES: dict[str, tuple[Any, Any]] = {
     "max_body": ("2M", 2 << 20),
     "body_timeout": ("7.5", 7.5),
     "max_prompt_chars": ("100000", 100000),
+    "max_json_values": ("5000", 5000),
+    "max_json_depth": ("64", 64),
     "allow_slot_actions": (True, True),
     "queue_limit": ("8", 8),
     "save_wait": ("0.5", 0.5),

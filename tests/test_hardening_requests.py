@@ -4,6 +4,7 @@ log a traceback, against a real sidecar, llama-server and Valkey (docs/security.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -15,6 +16,7 @@ import pytest
 import pytest_asyncio
 
 from sidecar.config import Settings
+from sidecar.proxy import COMPLETION_KINDS
 from tests.servers import LlamaServer, RedisProc, llama_server
 from tests.sidecars import Sidecar, post, run_sidecar
 
@@ -128,5 +130,69 @@ async def test_the_queue_gauge_falls_when_waiting_clients_leave(node: Node) -> N
     for task in holders:
         task.cancel()
     await asyncio.gather(*holders, return_exceptions=True)
+    await node.sc.engine.drain(30)
+
+
+# -- 2: a body that is mostly junk values ---------------------------------------------------------------------
+
+
+def _peak_rss_reset() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM, the peak resident set size
+
+
+def _peak_rss() -> int:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+async def test_a_body_of_junk_values_is_refused_before_it_is_parsed(node: Node) -> None:
+    """31 MB, nearly all of it a list of empty objects: parsed, ~750 MB (orjson: 72 bytes each). It is
+    refused on its value count, and one request, or four at once, cost kvtier a few times the body."""
+    junk = b'{"prompt": "Hello", "n_predict": 1, "junk": [' + b"{}," * 10_333_000 + b'{}]}'
+    _peak_rss_reset()
+    base = _peak_rss()
+    ans = await post(node.sc.url + "/completion", None, raw=junk)
+    assert ans.status == 400 and "max_json_values" in ans.body["error"]["message"], ans.text[:300]
+    one = _peak_rss() - base
+    _peak_rss_reset()
+    base = _peak_rss()
+    answers = await asyncio.gather(*(post(node.sc.url + path, None, raw=junk)
+                                     for path in ("/completion", "/v1/completions", "/v1/chat/completions",
+                                                  "/completion")))
+    four = _peak_rss() - base
+    assert all(a.status == 400 for a in answers), [a.text[:200] for a in answers]
+    # The body itself is read whole (aiohttp's buffer and its copy): about twice its size each.
+    assert one < 4 * len(junk), one / len(junk)
+    assert four < 12 * len(junk), four / len(junk)
+    ok = await post(node.sc.url + "/completion", {"prompt": "Hello", "n_predict": 1, "logit_bias": [[1, -1.0]] * 1000})
+    assert ok.status == 200, ok.text[:300]
+    await node.sc.engine.drain(30)
+
+
+# -- 3: JSON nested deeper than kvtier re-encodes ---------------------------------------------------------------
+
+
+async def test_deep_json_gets_400_on_every_completion_route(node: Node, caplog: pytest.LogCaptureFixture) -> None:
+    """Bodies nesting 254 to 1023 levels (orjson reads 1024 but writes only 254) are refused on every
+    completion route, however kvtier would have handled them: cached, passed through, re-encoded."""
+    caplog.set_level(logging.INFO)
+    for depth in (254, 500, 1023):
+        nest = "[" * depth + "]" * depth
+        for path, kind in COMPLETION_KINDS.items():
+            base = _chat() if kind == "chat" else _completion()
+            for body in (base, {**base, "cache_prompt": False}, {**base, "cache_salt": "t"},
+                         {**base, "prompt": [base.get("prompt", "")]}):
+                raw = json.dumps(body)[:-1] + ', "x": ' + nest + "}"
+                ans = await post(node.sc.url + path, None, raw=raw.encode())
+                assert ans.status == 400 and "max_json_depth" in ans.body["error"]["message"], \
+                    (depth, path, list(body), ans.text[:300])
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], \
+        [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    nest = "[" * 100 + "]" * 100  # within the limit: answered
+    for path, body in (("/completion", _completion(cache_prompt=False)), ("/v1/chat/completions", _chat())):
+        ans = await post(node.sc.url + path, None, raw=(json.dumps(body)[:-1] + ', "x": ' + nest + "}").encode())
+        assert ans.status == 200, ans.text[:300]
     await node.sc.engine.drain(30)
 
