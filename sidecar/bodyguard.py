@@ -1,17 +1,26 @@
 """Limits on what a completion body may hold, checked before kvtier (or llama-server) acts on it.
 
-Its shape (``shape_problem``), read from the body's bytes before it is parsed, answered 400 with
-what was over which setting. Parsed, a body costs far more than its size: orjson builds a Python
-object per value, 8 bytes for ``null`` or ``0`` (shared objects, a list slot each) up to 72
-bytes for an empty object and 184 for an object with one key, so a 31 MB list of ``{}`` becomes
-744 MB. Counting the values first bounds that whatever the body holds (``max_json_values``), and
-the same scan bounds its nesting (``max_json_depth``): kvtier re-encodes bodies with orjson,
-which writes 254 levels at most.
+Two kinds, both answered 400 with what was over which setting:
+
+- **Shape** (``shape_problem``), read from the body's bytes before it is parsed. Parsed, a body
+  costs far more than its size: orjson builds a Python object per value, 8 bytes for ``null``
+  or ``0`` (shared objects, a list slot each) up to 72 bytes for an empty object and 184 for an
+  object with one key, so a 31 MB list of ``{}`` becomes 744 MB. Counting the values first
+  bounds that whatever the body holds (``max_json_values``), and the same scan bounds its
+  nesting (``max_json_depth``): kvtier re-encodes bodies with orjson, which writes 254 levels at most.
+- **Grammars** (``grammar_problem``), read from the parsed body: llama-server's GBNF parser
+  recurses once per nested group and crashed (segmentation fault, the whole server down) at
+  20,000 nested ``(`` (llama.cpp #26600). ``grammar`` is bounded in size and group nesting; a
+  JSON schema (``json_schema``, ``response_format``, ``tools``) by ``max_json_depth`` with the
+  rest of the body.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -20,6 +29,9 @@ _QUOTE, _BACKSLASH = 0x22, 0x5C
 # Per byte (a bytes.translate table, faster than numpy's indexing): 1 for what adds a value or
 # key (, :), 2 for an opening bracket (a value that nests), 3 for a closing one; 0 for the rest.
 _CODES = bytes(1 if b in b",:" else 2 if b in b"[{" else 3 if b in b"]}" else 0 for b in range(256))
+# GBNF's lexemes that may hold a parenthesis without opening a group: string literals, character
+# classes (both with backslash escapes) and comments; and the parentheses themselves.
+_GBNF_TOKENS = re.compile(r'"[^"\\]*(?:\\.[^"\\]*)*"|\[[^\]\\]*(?:\\.[^\]\\]*)*\]|#[^\r\n]*|[()]', re.DOTALL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +40,8 @@ class BodyLimits:
 
     max_values: int = 1_000_000  # values and object keys in the whole body
     max_depth: int = 128  # nesting of arrays and objects in the whole body
+    max_grammar_chars: int = 1_000_000  # characters of a GBNF ``grammar``
+    max_grammar_depth: int = 256  # groups nested in a ``grammar``: ``((...))`` is 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,3 +124,36 @@ def _trailing_backslashes(window: np.ndarray, run: int) -> int:
         return run + int(window.size)
     return int(window.size - 1 - others[-1])
 
+
+def grammar_problem(body: Mapping[str, Any], limits: BodyLimits) -> str | None:
+    """Why the body's GBNF ``grammar`` is over ``limits``; None when it is not (or there is none).
+
+    llama-server parses a grammar before it runs the request, recursing once per nested group:
+    20,000 nested groups overflowed its stack (llama.cpp #26600), 5,000 did not.
+    """
+    grammar = body.get("grammar")
+    if not isinstance(grammar, str) or not grammar:
+        return None
+    if limits.max_grammar_chars and len(grammar) > limits.max_grammar_chars:
+        return (f"grammar has {len(grammar)} characters, over the limit of {limits.max_grammar_chars} "
+                f"(max_grammar_chars)")
+    if limits.max_grammar_depth and grammar.count("(") > limits.max_grammar_depth:
+        nested = grammar_depth(grammar)
+        if nested > limits.max_grammar_depth:
+            return (f"grammar nests {nested} groups deep, over the limit of {limits.max_grammar_depth} "
+                    f"(max_grammar_depth)")
+    return None
+
+
+def grammar_depth(grammar: str) -> int:
+    """The deepest nesting of parenthesised groups in a GBNF grammar (literals, character
+    classes and comments skipped)."""
+    depth = deepest = 0
+    for match in _GBNF_TOKENS.finditer(grammar):
+        token = match.group()
+        if token == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif token == ")":
+            depth = max(depth - 1, 0)
+    return deepest

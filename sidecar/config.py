@@ -138,6 +138,11 @@ class Settings:
     max_json_depth: int = _option(128, "deepest nesting of arrays and objects a completion body (a JSON schema in it "
                                        "too) may have; deeper get 400 (1-254: kvtier re-encodes bodies with orjson, "
                                        "which stops at 255)", _int)
+    max_grammar_chars: int = _option(1_000_000, "longest GBNF grammar (characters) a completion may carry; longer get "
+                                              "400 (0 = no limit)", _int)
+    max_grammar_depth: int = _option(256, "most groups a GBNF grammar may nest, ((...)) being 2; deeper get 400 "
+                                          "(llama-server's grammar parser crashed at 20,000: llama.cpp #26600; "
+                                          "0 = no limit)", _int)
     allow_slot_actions: bool = _option(False, "pass clients' POST /slots/N?action=save|restore|erase to llama-server "
                                               "(with the bearer token when one is set); off: 403, kvtier owns the "
                                               "slots", _bool)
@@ -319,8 +324,8 @@ def validate(s: Settings) -> None:
         raise ConfigError("body_timeout must be positive")
     if s.max_prompt_chars < 0:
         raise ConfigError("max_prompt_chars must not be negative")
-    if s.max_json_values < 0:
-        raise ConfigError("max_json_values must not be negative")
+    if s.max_json_values < 0 or s.max_grammar_chars < 0 or s.max_grammar_depth < 0:
+        raise ConfigError("max_json_values, max_grammar_chars and max_grammar_depth must not be negative")
     if not 1 <= s.max_json_depth <= 254:
         raise ConfigError(f"max_json_depth must be in 1..254, got {s.max_json_depth}")
     if s.queue_limit <= 0:

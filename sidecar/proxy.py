@@ -23,7 +23,7 @@ from integrations.llama_server import LlamaServerError, stream_finished
 from tiers.sessions import validate_session_id
 
 from .appkeys import ENGINE, FORWARDER, METRICS, SETTINGS, UPSTREAM
-from .bodyguard import BodyLimits, shape_problem
+from .bodyguard import BodyLimits, grammar_problem, shape_problem
 from .config import Settings
 from .forward import may_forward, route_or_none
 from .middlewares import client_gone, json_error, read_body, request_id
@@ -276,7 +276,7 @@ def read_completion(raw: bytes, limits: BodyLimits) -> dict[str, Any] | str:
     """A completion body as a JSON object, or why it is refused.
 
     Its shape (values, nesting) is checked before it is parsed (``bodyguard``: parsing builds
-    every value). orjson refuses a little more that llama-server reads (NaN,
+    every value), its grammar after. orjson refuses a little more that llama-server reads (NaN,
     numbers past a double's range, lone surrogates); no completion needs those.
     """
     too_big = shape_problem(raw, limits)
@@ -288,11 +288,12 @@ def read_completion(raw: bytes, limits: BodyLimits) -> dict[str, Any] | str:
         return f"request body is not JSON kvtier can read: {str(exc)[:200]}"
     if not isinstance(body, dict):
         return "request body must be a JSON object"
-    return body
+    return grammar_problem(body, limits) or body
 
 
 def body_limits(settings: Settings) -> BodyLimits:
-    return BodyLimits(settings.max_json_values, settings.max_json_depth)
+    return BodyLimits(settings.max_json_values, settings.max_json_depth, settings.max_grammar_chars,
+                      settings.max_grammar_depth)
 
 
 def _prompt_too_long(request: web.Request, raw: bytes, body: Mapping[str, Any]) -> str | None:

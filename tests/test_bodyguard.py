@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from sidecar import bodyguard
-from sidecar.bodyguard import BodyLimits, json_shape, shape_problem
+from sidecar.bodyguard import BodyLimits, grammar_depth, grammar_problem, json_shape, shape_problem
 
 # Characters that fool a naive count: quotes, backslashes, brackets, separators inside strings.
 _TRICKY = ['a', '"', '\\', '[', ']', '{', '}', ',', ':', ' ', 'é', '\\"', '\\\\']
@@ -60,3 +60,13 @@ def test_shape_limits_refuse_junk_and_deep_bodies_and_pass_text_that_only_looks_
     assert shape_problem(text, limits) is None
     assert shape_problem(b'{"junk": [' + b"{}," * 2000 + b"{}]}", BodyLimits(max_values=0, max_depth=10)) is None
 
+
+def test_grammar_depth_skips_literals_classes_and_comments() -> None:
+    grammar = 'root ::= "(" ( [(] | "\\"(" ( x ) ) # (((\nx ::= [^)\\]] "a"'
+    assert grammar_depth(grammar) == 2
+    assert grammar_depth("root ::= " + "(" * 300 + '"a"' + ")" * 300) == 300
+    limits = BodyLimits(max_grammar_chars=100, max_grammar_depth=2)
+    assert grammar_problem({"grammar": grammar}, limits) is None
+    assert "max_grammar_depth" in (grammar_problem({"grammar": 'root ::= ((("a")))'}, limits) or "")
+    assert "max_grammar_chars" in (grammar_problem({"grammar": "x" * 101}, limits) or "")
+    assert grammar_problem({"grammar": 5}, limits) is None  # not a grammar kvtier reads: llama-server answers

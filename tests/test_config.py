@@ -49,6 +49,8 @@ SAMPLES: dict[str, tuple[Any, Any]] = {
     "max_prompt_chars": ("100000", 100000),
     "max_json_values": ("5000", 5000),
     "max_json_depth": ("64", 64),
+    "max_grammar_chars": ("20000", 20000),
+    "max_grammar_depth": ("32", 32),
     "allow_slot_actions": (True, True),
     "queue_limit": ("8", 8),
     "save_wait": ("0.5", 0.5),

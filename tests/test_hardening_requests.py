@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -196,3 +197,56 @@ async def test_deep_json_gets_400_on_every_completion_route(node: Node, caplog: 
         assert ans.status == 200, ans.text[:300]
     await node.sc.engine.drain(30)
 
+
+# -- 1: grammars and schemas that crash llama-server's parser ---------------------------------------------
+
+
+async def llama_healthy(llama: LlamaServer) -> bool:
+    try:
+        async with aiohttp.ClientSession() as s, s.get(llama.url + "/health") as r:
+            return r.status == 200
+    except aiohttp.ClientError:
+        return False
+
+
+def _deep_schema(levels: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    return schema
+
+
+async def test_deep_grammars_are_refused_and_llama_server_stays_up(node: Node) -> None:
+    """A grammar nesting 20,000 groups crashed llama-server (llama.cpp #26600); kvtier refuses it, and
+    schemas nested past max_json_depth, while real grammars and schemas still constrain the answer."""
+    url = node.sc.url
+    deep = "root ::= " + "(" * 20_000 + '"yes"' + ")" * 20_000
+    for path, body in (("/completion", _completion(grammar=deep)), ("/v1/chat/completions", _chat(grammar=deep)),
+                       ("/completion", _completion(grammar="root ::= " + '"a" ' * 300_000))):
+        ans = await post(url + path, body)
+        assert ans.status == 400 and ans.body["error"]["type"] == "invalid_request", (path, ans.text[:300])
+        assert "max_grammar" in ans.body["error"]["message"], ans.text[:300]
+    schema = _deep_schema(100)  # 201 levels of JSON inside the body
+    for path, body in (("/completion", _completion(json_schema=schema)),
+                       ("/v1/chat/completions", _chat(response_format={"type": "json_schema",
+                                                                       "json_schema": {"schema": schema}}))):
+        ans = await post(url + path, body)
+        assert ans.status == 400 and "max_json_depth" in ans.body["error"]["message"], (path, ans.text[:300])
+    assert await llama_healthy(node.llama)
+    # What real requests carry still works: a grammar with groups, literals holding parentheses, a
+    # comment, and a JSON schema.
+    real = 'root ::= (("yes") | "no") ( "(" [)(] ")" )? # a comment with ((( in it'
+    for path, body in (("/completion", _completion(grammar=real)), ("/v1/chat/completions", _chat(grammar=real))):
+        ans = await post(url + path, body)
+        assert ans.status == 200 and re.fullmatch(r"(yes|no)(\([()]\))?", ans.content), (path, ans.text[:300])
+    boolean = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+    for path, body in (("/completion", _completion(n_predict=40, json_schema=boolean)),
+                       ("/v1/chat/completions", _chat(max_tokens=40, response_format={
+                           "type": "json_schema", "json_schema": {"schema": boolean}}))):
+        ans = await post(url + path, body)
+        assert ans.status == 200 and isinstance(json.loads(ans.content)["a"], bool), (path, ans.text[:300])
+    async with run_sidecar(replace(node.sc.settings, max_grammar_depth=1)) as sc:  # the operator's limit
+        ans = await post(sc.url + "/completion", _completion(grammar=real))
+        assert ans.status == 400 and "max_grammar_depth" in ans.body["error"]["message"], ans.text[:300]
+    assert await llama_healthy(node.llama)
+    await node.sc.engine.drain(30)
