@@ -82,6 +82,19 @@ async def passthrough(request: web.Request, body: bytes | None = None) -> web.St
     return await _relay(request, body if body is not None else await read_body(request), {}, Relay())
 
 
+async def checked_passthrough(request: web.Request) -> web.StreamResponse:
+    """A llama-server prompt endpoint outside the KV flow (``/infill``, ``/v1/responses``, ...):
+    passed on unchanged, but a JSON body within a completion's bounds only, since llama-server
+    reads grammars and schemas there too (a deep grammar sent to ``/v1/responses`` crashed it
+    as one sent to ``/completion`` did). Other bodies (multipart audio) go on as they came."""
+    raw = await read_body(request)
+    if raw.lstrip()[:1] == b"{":
+        refused = await read_completion(raw, body_limits(request.app[SETTINGS]), grammar=b"grammar" in raw)
+        if isinstance(refused, str):
+            return json_error(400, refused)
+    return await passthrough(request, raw)
+
+
 async def _relay(request: web.Request, body: bytes, extra_headers: Mapping[str, str], out: Relay,
                  capture: bool = False) -> web.StreamResponse:
     """Send ``body`` upstream and stream the answer back, recording the outcome in ``out``."""
@@ -275,12 +288,13 @@ async def _erase_then_release(engine: Any, lease: Any) -> None:
         lease.release()
 
 
-async def read_completion(raw: bytes, limits: BodyLimits) -> dict[str, Any] | str:
+async def read_completion(raw: bytes, limits: BodyLimits, *, grammar: bool = True) -> dict[str, Any] | str:
     """A completion body as a JSON object, or why it is refused.
 
     Its shape (values, nesting) is checked before it is parsed (``bodyguard``: parsing builds
-    every value), its grammar after. orjson refuses a little more that llama-server reads (NaN,
-    numbers past a double's range, lone surrogates); no completion needs those.
+    every value), its grammar after (``grammar=False``: neither parsed nor checked, an empty
+    object is returned). orjson refuses a little more that llama-server reads (NaN, numbers
+    past a double's range, lone surrogates); no completion needs those.
     """
     if len(raw) > THREAD_SCAN_BYTES:
         too_big = await asyncio.to_thread(shape_problem, raw, limits)
@@ -288,6 +302,8 @@ async def read_completion(raw: bytes, limits: BodyLimits) -> dict[str, Any] | st
         too_big = shape_problem(raw, limits)
     if too_big is not None:
         return too_big
+    if not grammar:
+        return {}
     try:
         body: Any = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:

@@ -18,7 +18,7 @@ from aiohttp import web
 from . import openapi
 from .middlewares import AuthPolicy, Handler, canonical_path, json_error
 from .probes import healthz, metrics_endpoint, readyz
-from .proxy import COMPLETION_KINDS, handle_completion, passthrough
+from .proxy import COMPLETION_KINDS, checked_passthrough, handle_completion, passthrough
 from .sessions_api import delete_session, get_session, list_sessions, restore_session, save_session
 
 # open: never needs the bearer token (the probes); admin: needs it whenever one is set (the
@@ -180,9 +180,12 @@ async def catch_all(request: web.Request) -> web.StreamResponse:
         return response
     if request.path.startswith(_OWN_PREFIXES):
         return json_error(404, f"{request.path} is not part of the kvtier API")
-    if request.headers.get("X-KVTier-Salt") and untenanted(request.method, request.path):
-        return json_error(403, f"{request.method} {request.path} runs outside kvtier's tenant rules "
-                               "(llama-server picks its slot); send tenants' requests to the completion routes")
+    if untenanted(request.method, request.path):
+        if request.headers.get("X-KVTier-Salt"):
+            return json_error(403, f"{request.method} {request.path} runs outside kvtier's tenant rules "
+                                   "(llama-server picks its slot); send tenants' requests to the completion routes")
+        if request.method == "POST":
+            return await checked_passthrough(request)  # its prompt, grammar and schemas reach llama-server
     return await passthrough(request)
 
 

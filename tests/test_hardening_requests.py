@@ -221,8 +221,12 @@ async def test_deep_grammars_are_refused_and_llama_server_stays_up(node: Node) -
     schemas nested past max_json_depth, while real grammars and schemas still constrain the answer."""
     url = node.sc.url
     deep = "root ::= " + "(" * 20_000 + '"yes"' + ")" * 20_000
+    responses = {"input": "Is the sky blue? Answer yes or no.", "max_output_tokens": 4, "temperature": 0}
+    # llama-server's prompt endpoints outside the KV flow read grammars too: /v1/responses crashed.
     for path, body in (("/completion", _completion(grammar=deep)), ("/v1/chat/completions", _chat(grammar=deep)),
-                       ("/completion", _completion(grammar="root ::= " + '"a" ' * 300_000))):
+                       ("/completion", _completion(grammar="root ::= " + '"a" ' * 300_000)),
+                       ("/v1/responses", {**responses, "grammar": deep}),
+                       ("/infill", {"input_prefix": "def f(", "input_suffix": ")", "grammar": deep})):
         ans = await post(url + path, body)
         assert ans.status == 400 and ans.body["error"]["type"] == "invalid_request", (path, ans.text[:300])
         assert "max_grammar" in ans.body["error"]["message"], ans.text[:300]
@@ -239,6 +243,8 @@ async def test_deep_grammars_are_refused_and_llama_server_stays_up(node: Node) -
     for path, body in (("/completion", _completion(grammar=real)), ("/v1/chat/completions", _chat(grammar=real))):
         ans = await post(url + path, body)
         assert ans.status == 200 and re.fullmatch(r"(yes|no)(\([()]\))?", ans.content), (path, ans.text[:300])
+    ans = await post(url + "/v1/responses", {**responses, "grammar": real})
+    assert ans.status == 200, ans.text[:300]
     boolean = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
     for path, body in (("/completion", _completion(n_predict=40, json_schema=boolean)),
                        ("/v1/chat/completions", _chat(max_tokens=40, response_format={
