@@ -88,8 +88,10 @@ async def checked_passthrough(request: web.Request) -> web.StreamResponse:
     reads grammars and schemas there too (a deep grammar sent to ``/v1/responses`` crashed it
     as one sent to ``/completion`` did). Other bodies (multipart audio) go on as they came."""
     raw = await read_body(request)
-    if raw.lstrip()[:1] == b"{":
-        refused = await read_completion(raw, body_limits(request.app[SETTINGS]), grammar=b"grammar" in raw)
+    text = raw.removeprefix(_UTF8_BOM)  # skipped by llama-server's parser too
+    if text.lstrip()[:1] == b"{":
+        # Parsed whole (its shape first): a key may be written with escapes ("gr\u0061mmar").
+        refused = await read_completion(text, body_limits(request.app[SETTINGS]))
         if isinstance(refused, str):
             return json_error(400, refused)
     return await passthrough(request, raw)
@@ -288,13 +290,12 @@ async def _erase_then_release(engine: Any, lease: Any) -> None:
         lease.release()
 
 
-async def read_completion(raw: bytes, limits: BodyLimits, *, grammar: bool = True) -> dict[str, Any] | str:
+async def read_completion(raw: bytes, limits: BodyLimits) -> dict[str, Any] | str:
     """A completion body as a JSON object, or why it is refused.
 
     Its shape (values, nesting) is checked before it is parsed (``bodyguard``: parsing builds
-    every value), its grammar after (``grammar=False``: neither parsed nor checked, an empty
-    object is returned). orjson refuses a little more that llama-server reads (NaN, numbers
-    past a double's range, lone surrogates); no completion needs those.
+    every value), its grammar after. orjson refuses a little more that llama-server reads (NaN,
+    numbers past a double's range, lone surrogates); no completion needs those.
     """
     if len(raw) > THREAD_SCAN_BYTES:
         too_big = await asyncio.to_thread(shape_problem, raw, limits)
@@ -302,8 +303,6 @@ async def read_completion(raw: bytes, limits: BodyLimits, *, grammar: bool = Tru
         too_big = shape_problem(raw, limits)
     if too_big is not None:
         return too_big
-    if not grammar:
-        return {}
     try:
         body: Any = orjson.loads(raw)
     except orjson.JSONDecodeError as exc:

@@ -230,6 +230,9 @@ async def test_deep_grammars_are_refused_and_llama_server_stays_up(node: Node) -
         ans = await post(url + path, body)
         assert ans.status == 400 and ans.body["error"]["type"] == "invalid_request", (path, ans.text[:300])
         assert "max_grammar" in ans.body["error"]["message"], ans.text[:300]
+    escaped = json.dumps({**responses, "grammar": deep}).replace('"grammar"', '"gr\\u0061mmar"')  # the same key
+    ans = await post(url + "/v1/responses", None, raw=escaped.encode())
+    assert ans.status == 400 and "max_grammar_depth" in ans.body["error"]["message"], ans.text[:300]
     schema = _deep_schema(100)  # 201 levels of JSON inside the body
     for path, body in (("/completion", _completion(json_schema=schema)),
                        ("/v1/chat/completions", _chat(response_format={"type": "json_schema",
