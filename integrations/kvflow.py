@@ -13,8 +13,10 @@ how they read and write a sequence state; what they do with one is the same, and
 - prefix references: a prompt that shares only the start of a stored chunk (or tail), say a
   system prompt that ends mid-chunk, restores those cells too, to within ``REF_STEP`` tokens.
   Beside each new chunk and tail, small references are stored under the partial-tail keys of its
-  first 16, 32, ... tokens, each naming the value and a cell count; attention is causal, so the
-  first cells of a stored value are exactly what a prompt sharing only those tokens computes;
+  first 16, 32, ... tokens, each carrying a cell count and all the value's tokens; attention is
+  causal, so the first cells of a stored value are exactly what a prompt sharing only those tokens
+  computes. A reference names no key: the value's key is derived from the prompt's own prefix and
+  the tokens it carries, which must start with the prompt's, so a forged one can at most miss;
 - ``save_session``: a state as a named session (chunks, tail, manifest), announced;
 - pending saves: a node that has just answered marks the prefixes its save will store
   (``pending_marks``: every full chunk of the prompt, and its partial end to within ``REF_STEP``
@@ -29,7 +31,7 @@ import logging
 import struct
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -41,11 +43,12 @@ from tiers.keys import (
     chunk_key,
     common_prefix,
     events_channel,
-    namespace_prefix,
+    hash_chunk,
     pending_key,
     prefix_chain,
     tail_hash_after,
     tail_hashes,
+    tail_key,
 )
 from tiers.pending import PendingMark, PendingSaves
 from tiers.sessions import Manifest, SessionError, SessionStore
@@ -57,8 +60,10 @@ from .statefile import SeqState
 log = logging.getLogger("kvtier.flow")
 
 REF_STEP = 16  # tokens between prefix references into a stored chunk or tail
-REF_MAGIC = b"KVRF"  # a reference payload (a chunk payload starts with b"KVSC")
-_REF = struct.Struct("<4sI16s")  # magic, cells, the value's hash; then the value's key
+REF_MAGIC = b"KVR2"  # a reference payload (a chunk payload starts with b"KVSC")
+_OLD_REF_MAGIC = b"KVRF"  # references before they carried their tokens: refused, as forged ones are
+_REF = struct.Struct("<4sIBI")  # magic, cells, kind (REF_CHUNK / REF_TAIL), n; then the value's n int32-LE tokens
+REF_CHUNK, REF_TAIL = 0, 1  # what a reference names: a chunk (hash_chunk) or a partial tail (tail_hash_after)
 
 
 class Publisher(Protocol):
@@ -85,6 +90,8 @@ class PrefixFound:
     chunks: LookupResult
     tail: TailHit | None
     whole: bool = False  # states with a rest: usable only with the tail, which carries it
+    # The prompt's tokens the tail covers: a prefix reference found there is checked against them.
+    tail_tokens: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @property
     def n_tokens(self) -> int:
@@ -256,7 +263,8 @@ async def find_prefix(store: TieredStore, namespace: Namespace, tokens: np.ndarr
     limit = restorable_tokens(int(tokens.size), n_ctx)
     if tail_only:
         tail = await store.lookup_tail(namespace, namespace.digest, tokens[:limit])
-        return PrefixFound(LookupResult(0, [], []), tail, True)
+        return PrefixFound(LookupResult(0, [], []), tail, True,
+                           tokens[: tail.n_tokens].copy() if tail is not None else None)
     chain = prefix_chain(namespace, tokens, limit // C)
     found = await store.lookup_chain(namespace, chain) if chain else LookupResult(0, [], [])
     for n in range(found.n_chunks, -1 if whole else found.n_chunks - 1, -1):
@@ -267,7 +275,8 @@ async def find_prefix(store: TieredStore, namespace: Namespace, tokens: np.ndarr
         tail = await store.lookup_tail(namespace, found.chunks[n - 1] if n else namespace.digest,
                                        tokens[start: start + room])
         if tail is not None:
-            return PrefixFound(LookupResult(start, found.chunks[:n], found.tiers[:n]), tail, whole)
+            return PrefixFound(LookupResult(start, found.chunks[:n], found.tiers[:n]), tail, whole,
+                               tokens[start: start + tail.n_tokens].copy())
     return PrefixFound(found, None, whole)
 
 
@@ -300,10 +309,12 @@ async def fetch_prefix(store: TieredStore, namespace: Namespace, found: PrefixFo
         return PrefixFetched(payloads, n_tokens, frozenset(tiers), fetched, None)
     tail_payload: bytes | memoryview | None = tail_value.payload
     restored_tail: TailHit | None = tail
-    if bytes(tail_value.payload[:4]) == REF_MAGIC and found.whole:
-        tail_payload = None  # never stored for states with a rest: a reference lacks the rest
-    elif bytes(tail_value.payload[:4]) == REF_MAGIC:
-        tail_payload = await _resolve_ref(store, namespace, tail_value.payload, tail.n_tokens, n_tokens)
+    if bytes(tail_value.payload[:4]) in (REF_MAGIC, _OLD_REF_MAGIC):
+        parent = found.chunks.chunks[-1] if found.chunks.n_chunks else namespace.digest
+        tail_payload, reason = await _resolve_ref(store, namespace, tail_value.payload, parent,
+                                                  found.tail_tokens, n_tokens, rest=found.whole)
+        if reason is not None:  # forged, or of another prompt: a miss, counted, and deleted
+            await store.reject(tail.key, tail_value.tier, reason)
         restored_tail = None  # the value a reference names is no tail of the context it is restored into
     else:
         reason = content_mismatch(tail_value.payload, n_tokens, tail.n_tokens, rest=found.whole)
@@ -345,42 +356,76 @@ def _chunk_cells(payload: bytes | memoryview) -> int:
         return 0
 
 
-def _ref_payload(key: bytes, value_hash: bytes, n_cells: int) -> bytes:
-    return _REF.pack(REF_MAGIC, n_cells, value_hash) + key
+def ref_payload(kind: int, value_tokens: np.ndarray, n_cells: int) -> bytes:
+    """A reference to the first ``n_cells`` cells of the value (a ``REF_CHUNK`` or ``REF_TAIL``)
+    holding ``value_tokens`` after the reference's own parent."""
+    tokens = np.ascontiguousarray(value_tokens, dtype="<i4")
+    return _REF.pack(REF_MAGIC, n_cells, kind, int(tokens.size)) + tokens.tobytes()
 
 
-async def _resolve_ref(store: TieredStore, namespace: Namespace, ref: bytes | memoryview,
-                       n_cells: int, first_pos: int) -> bytes | memoryview | None:
-    """The first ``n_cells`` cells of the value a reference names, which must start at
-    ``first_pos``; None when it is gone, damaged, or the reference does not hold together (a
-    foreign namespace, another cell count). A value that holds other cells is rejected."""
-    raw = bytes(ref)
-    if len(raw) <= _REF.size:
-        return None
-    _, cells, value_hash, key = *_REF.unpack_from(raw), raw[_REF.size:]
-    if cells != n_cells or not key.startswith(namespace_prefix(namespace)):
-        return None
-    value = await store.read_verified(key, value_hash, namespace)
+@dataclass(frozen=True, slots=True)
+class _RefValue:
+    """What a reference names, once it holds together: the value's key and hash, and its cells."""
+
+    key: bytes
+    hash: ChunkHash
+    n_cells: int
+
+
+def _check_ref(namespace: Namespace, raw: bytes, parent: bytes, prompt: np.ndarray | None,
+               n_cells: int) -> _RefValue | str:
+    """The value a reference found after ``parent``, under the partial-tail key of the prompt's
+    ``n_cells`` tokens ``prompt``, names; else why it is refused. Its tokens must start with the
+    prompt's, and the value's key is derived from ``parent`` and them: whatever a reference says,
+    it can only name the value stored for this very prefix (and more tokens after it)."""
+    if raw[:4] != REF_MAGIC or len(raw) < _REF.size:
+        return "not a prefix reference of this version"
+    _, cells, kind, n = _REF.unpack_from(raw)
+    if kind not in (REF_CHUNK, REF_TAIL) or len(raw) != _REF.size + 4 * n:
+        return "a malformed prefix reference"
+    if cells != n_cells or not 0 < cells < n or (kind == REF_CHUNK and n != namespace.chunk_tokens):
+        return f"a prefix reference to {cells} of {n} cells found for {n_cells}"
+    tokens = np.frombuffer(raw, dtype="<i4", count=n, offset=_REF.size).astype(np.int32)
+    if prompt is None or prompt.size < cells or not np.array_equal(tokens[:cells], prompt[:cells]):
+        return "a prefix reference whose tokens are not the prompt's"
+    if kind == REF_CHUNK:
+        h = hash_chunk(parent, tokens)
+        return _RefValue(chunk_key(namespace, h), h, cells)
+    h = tail_hash_after(parent, tokens)
+    return _RefValue(tail_key(namespace, h), h, cells)
+
+
+async def _resolve_ref(store: TieredStore, namespace: Namespace, ref: bytes | memoryview, parent: bytes,
+                       prompt: np.ndarray | None, first_pos: int, *,
+                       rest: bool) -> tuple[bytes | memoryview | None, str | None]:
+    """The first cells of the value a reference names (``_check_ref``), which must start at
+    ``first_pos``, and None; or None and why the reference is refused; or (None, None) when the
+    value is gone or damaged (a miss). A value that holds other cells is rejected."""
+    if rest:
+        return None, "a prefix reference into a state with a rest"  # never stored: it would lack the rest
+    checked = _check_ref(namespace, bytes(ref), parent, prompt, prompt.size if prompt is not None else 0)
+    if isinstance(checked, str):
+        return None, checked
+    value = await store.read_verified(checked.key, checked.hash, namespace)
     if value is None:
-        return None
+        return None, None
     reason = content_mismatch(value.payload, first_pos, _chunk_cells(value.payload))
-    if reason is None:
-        try:
-            cut = first_cells(value.payload, n_cells)
-        except (ValueError, KVTierError) as exc:
-            log.warning("a prefix reference names a value that cannot hold %d cells: %s", n_cells, exc)
-            return None
-        return cut if read_chunk_header(cut).n_cells == n_cells else None
-    await store.reject(key, value.tier, reason)
-    return None
+    if reason is not None:
+        await store.reject(checked.key, value.tier, reason)
+        return None, None
+    try:
+        cut = first_cells(value.payload, checked.n_cells)
+    except (ValueError, KVTierError) as exc:
+        log.warning("a prefix reference names a value that cannot hold %d cells: %s", checked.n_cells, exc)
+        return None, None
+    return (cut, None) if read_chunk_header(cut).n_cells == checked.n_cells else (None, None)
 
 
-def prefix_refs(parent: bytes, tokens: np.ndarray, key: bytes, value_hash: bytes
-                ) -> list[tuple[ChunkHash, bytes, int]]:
-    """References to the first 16, 32, ... cells of a stored value (a chunk or tail after
-    ``parent`` holding ``tokens``), as ``TieredStore.store_tails`` takes them."""
+def prefix_refs(parent: bytes, tokens: np.ndarray, kind: int) -> list[tuple[ChunkHash, bytes, int]]:
+    """References to the first 16, 32, ... cells of a stored value (a ``REF_CHUNK`` or
+    ``REF_TAIL`` after ``parent`` holding ``tokens``), as ``TieredStore.store_tails`` takes them."""
     hashes = tail_hashes(parent, tokens[: max(int(tokens.size) - 1, 0)])
-    return [(hashes[n - 1], _ref_payload(key, value_hash, n), n) for n in range(REF_STEP, len(hashes) + 1, REF_STEP)]
+    return [(hashes[n - 1], ref_payload(kind, tokens, n), n) for n in range(REF_STEP, len(hashes) + 1, REF_STEP)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -462,14 +507,14 @@ async def store_state(store: TieredStore, namespace: Namespace, state: SeqState,
         parents = [namespace.digest, *chain]
         # A state with a rest is restored whole or not at all: no reference into its cells.
         refs = [] if state.has_rest else [ref for i in lazy.cut for ref in prefix_refs(
-            parents[i], tokens[i * C: (i + 1) * C], chunk_key(namespace, chain[i]), chain[i])]
+            parents[i], tokens[i * C: (i + 1) * C], REF_CHUNK)]
         if (chain or state.has_rest) and tokens.size > start:
             tail = split_state(state, C, first_chunk=len(chain), tail=True).tail
             assert tail is not None
             key = await store.store_tail(namespace, parents[-1], tokens[start:], tail, announce=announce)
             new = TailRecord(key, int(tokens.size))
             if not state.has_rest:
-                refs += prefix_refs(parents[-1], tokens[start:], key, tail_hash_after(parents[-1], tokens[start:]))
+                refs += prefix_refs(parents[-1], tokens[start:], REF_TAIL)
         await store.store_tails(namespace, refs)
         deleted = False
         if (previous is not None and previous_tokens is not None and (new is None or previous.key != new.key)

@@ -314,16 +314,17 @@ async def test_a_prompt_sharing_part_of_a_chunk_restores_those_cells() -> None:
     assert bytes(assemble_state(got.payloads, short, v_trans=False)) == ref_file(first.prefix(48))
 
 
-async def test_a_reference_into_another_namespace_or_a_gone_value_restores_nothing_more() -> None:
+async def test_a_reference_to_a_value_never_stored_or_gone_restores_nothing_more() -> None:
     store = memory_store()
     lg = logical(200, seed=9)
     await kvflow.store_state(store, NS, state_of(lg))
     prompt = np.asarray(lg.tokens[:100] + [5] * 50, np.int32)
     found = await kvflow.find_prefix(store, NS, prompt)
     assert found.tail is not None and found.n_tokens == 96
-    # Overwrite the reference with one naming a key outside the namespace.
+    # Overwrite the reference with one whose value was never stored (the chunk's last token differs).
     chain = prefix_chain(NS, lg.tokens, 3)
-    forged = kvflow.prefix_refs(chain[0], np.asarray(lg.tokens[64:128], np.int32), b"kvtier:other:c:00", chain[1])
+    forged = kvflow.prefix_refs(chain[0], np.asarray(lg.tokens[64:127] + [lg.tokens[127] + 1], np.int32),
+                                kvflow.REF_CHUNK)
     await store.store_tails(NS, forged)
     got = await kvflow.fetch_prefix(store, NS, found)
     assert got.n_tokens == 64 and len(got.payloads) == 1

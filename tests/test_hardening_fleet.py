@@ -1,0 +1,71 @@
+"""Hardening of the forwarding fleet against whoever can write to Redis (issue 30, items 8-12).
+
+What a Redis writer could do before: plant a node that receives forwarded chats (no secret was
+required), replay a dead node's signed status forever (its MAC had no expiry) and make requests
+hang, slow every request down with a huge node directory, steer the forward URL with a URL the
+reader never checked, and make a node restore another conversation's cells through a forged
+prefix reference. Each test below shows one of those is gone: against a real Valkey, and for the
+forwarding path a real llama-server and sidecar.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from integrations import kvflow
+from integrations.chunks import assemble_state
+from tests.test_engine_parts import NS, memory_store, state_of
+from tests.test_statefile import logical, ref_file
+from tiers.keys import chunk_key, prefix_chain, tail_hash_after
+
+KEY = b"a-fleet-secret-of-the-tests"
+C = NS.chunk_tokens
+
+
+# --------------------------------------------- item 12: a prefix reference cannot restore a wrong one
+
+
+async def test_a_forged_prefix_reference_restores_nothing_wrong_and_is_counted() -> None:
+    """Without a chunk key anyone who can write to Redis can write a reference. Before, one
+    naming another conversation's chunk made a node restore that chunk's cells for this prompt.
+    Now a reference carries the tokens of the value it names; they must start with the prompt's
+    and the value's key is derived from the prompt's own prefix and them: a forged one is a miss,
+    deleted and counted."""
+    store = memory_store()
+    mine, other = logical(200, seed=21), logical(200, seed=22)
+    await kvflow.store_state(store, NS, state_of(mine))
+    await kvflow.store_state(store, NS, state_of(other))
+    prompt = np.asarray(mine.tokens[:100] + [7] * 60, np.int32)  # shares 100 tokens with `mine`
+    found = await kvflow.find_prefix(store, NS, prompt)
+    assert found.n_tokens == 96  # the genuine reference: cells 64..95 of mine's chunk 1
+    genuine = await kvflow.fetch_prefix(store, NS, found)
+    assert bytes(assemble_state(genuine.payloads, prompt, v_trans=False)) == ref_file(mine.prefix(96))
+    mine_chain = prefix_chain(NS, np.asarray(mine.tokens, np.int32))
+    other_chain = prefix_chain(NS, np.asarray(other.tokens, np.int32))
+    under = tail_hash_after(mine_chain[0], prompt[C: C + 48])  # the prompt's key for 48 cells after chunk 0
+
+    async def restored_with(forged: bytes, counted: bool) -> None:
+        await store.store_tails(NS, [(under, forged, 48)])
+        found = await kvflow.find_prefix(store, NS, prompt)
+        assert found.n_tokens == C + 48  # the forged reference is what the lookup finds
+        corrupt = store.counters.corrupt
+        got = await kvflow.fetch_prefix(store, NS, found)
+        assert got.n_tokens == C, got.n_tokens  # chunk 0 only: never the other conversation's cells
+        assert bytes(assemble_state(got.payloads, prompt[:C + 1], v_trans=False)) == ref_file(mine.prefix(C))
+        if counted:  # refused: counted and deleted (the genuine reference is found again)
+            assert store.counters.corrupt == corrupt + 1
+            assert (await kvflow.find_prefix(store, NS, prompt)).n_tokens == 96
+
+    # The reference format before: it named another conversation's chunk by key and hash.
+    await restored_with(struct.pack("<4sI16s", b"KVRF", 48, other_chain[1]) + chunk_key(NS, other_chain[1]), True)
+    # Today's format carrying the other conversation's tokens: they are not the prompt's.
+    await restored_with(kvflow.ref_payload(kvflow.REF_CHUNK, np.asarray(other.tokens[C: 2 * C], np.int32), 48), True)
+    # The prompt's tokens, then others': the key they derive holds nothing (a plain miss).
+    claimed = np.concatenate([prompt[C: C + 48], np.asarray(other.tokens[112:128], np.int32)])
+    await restored_with(kvflow.ref_payload(kvflow.REF_CHUNK, claimed, 48), False)
+    # A reference may only be shorter than the value it names, and a chunk is a whole chunk.
+    await restored_with(kvflow.ref_payload(kvflow.REF_CHUNK, prompt[C: C + 48], 48), True)
+
+
