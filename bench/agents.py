@@ -30,6 +30,7 @@ from launch import smollm2_path
 from tests.ggufgen import ModelShape, write_random_llama
 
 from .common import (
+    FLEET_KEY,
     Reply,
     base_llama_args,
     chat,
@@ -46,7 +47,8 @@ from .common import (
     wait_idle,
 )
 
-LOOP_MODES = {"alone": None, "kvtier-no-wait": ["--save-wait", "0"], "kvtier": [], "kvtier-forward": ["--forward"]}
+LOOP_MODES = {"alone": None, "kvtier-no-wait": ["--save-wait", "0"], "kvtier": [],
+              "kvtier-forward": ["--forward", "--chunk-key", FLEET_KEY]}
 QUESTIONS = ["Summarise the first record.", "Which depot is named most?", "List two months that appear.",
              "What did the audit team do?", "Name one object and its count.", "Which record is the last one?",
              "What happened on day 3?", "Give one verb used twice."]

@@ -36,6 +36,7 @@ from rich.table import Table
 
 from launch import LLAMA_CPP_PYTHON_PIN, Node, llama_server_binary, smollm2_path, valkey
 
+FLEET_KEY = "kvtier-bench-fleet-secret"  # --forward needs --chunk-key: the bench nodes share this one
 RESULTS_DIR = Path("bench/results")
 F16_BYTES_PER_TOKEN = 23_040  # SmolLM2-135M: 30 layers x (K + V) x 192 elements x 2 bytes
 DEFAULT_WORKDIR = "/dev/shm" if os.path.isdir("/dev/shm") else None  # slot dirs in RAM, as in the Helm chart

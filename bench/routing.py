@@ -26,13 +26,23 @@ from typing import Any
 from rich.progress import Progress
 
 from .agents import QUESTIONS, document
-from .common import base_llama_args, chat, client_session, cluster, delta, percentile, redis_flush, scrape
+from .common import (
+    FLEET_KEY,
+    base_llama_args,
+    chat,
+    client_session,
+    cluster,
+    delta,
+    percentile,
+    redis_flush,
+    scrape,
+)
 
 MODES: dict[str, dict[str, Any]] = {
     "alone-rr": {"sidecar": False, "sticky": False, "args": []},
     "sticky": {"sidecar": False, "sticky": True, "args": []},
     "restore-only": {"sidecar": True, "sticky": False, "args": []},
-    "forward": {"sidecar": True, "sticky": False, "args": ["--forward"]},
+    "forward": {"sidecar": True, "sticky": False, "args": ["--forward", "--chunk-key", FLEET_KEY]},
 }
 THINK_S = (1.0, 2.0)
 

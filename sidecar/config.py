@@ -165,7 +165,8 @@ class Settings:
                                                "fleet view, so peers can forward requests to it")
     forward: bool = _option(False, "forward a completion to the peer sidecar whose slots hold its prefix hot when "
                                    "the cost model (restore, recompute, the peer's queue) says it answers sooner "
-                                   "(needs redis_url)", _bool)
+                                   "(needs redis_url and chunk_key: only peers whose fleet status carries a "
+                                   "valid MAC receive requests)", _bool)
     forward_timeout: float = _option(1.0, "seconds to connect to a peer; a peer that cannot be reached, answers "
                                           "with an error or leaves the fleet view before its answer starts leaves "
                                           "the request to this node", _float)
@@ -340,6 +341,11 @@ def validate(s: Settings) -> None:
         raise ConfigError("prewarm needs redis_url (events come through Redis pub/sub)")
     if s.forward and not s.redis_url:
         raise ConfigError("forward needs redis_url (the fleet view is in Redis)")
+    if s.forward and not s.chunk_key:
+        # The fleet view names the URLs requests (prompts, bearer tokens) are sent to: without the
+        # secret, whoever can write to Redis could name their own.
+        raise ConfigError("forward needs chunk_key or chunk_key_file, the same secret on every node: peers "
+                          "prove they belong to the fleet with it (a MAC on their status)")
     if s.advertise_url is not None:
         adv = urlsplit(s.advertise_url)
         if adv.scheme not in ("http", "https") or not adv.hostname or adv.path not in ("", "/"):

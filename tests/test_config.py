@@ -66,7 +66,7 @@ SAMPLES: dict[str, tuple[Any, Any]] = {
     "keep_restore_files": ("0", 0),
 }
 NEEDS = {"auth_all": {"auth_token": "tok"}, "prewarm": {"redis_url": "redis://r/0"},
-         "forward": {"redis_url": "redis://r/0"}}  # what validation asks
+         "forward": {"redis_url": "redis://r/0", "chunk_key": "a-fleet-secret-16+"}}  # what validation asks
 
 
 def test_samples_cover_every_setting() -> None:

@@ -38,6 +38,7 @@ pytestmark = pytest.mark.llama
 
 CHUNK = 64
 TOKEN = "fleet-token"
+FLEET_KEY = "the-fleet-secret-of-this-test"  # --forward needs it: peers prove they belong with it
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 DOC = " ".join(f"Entry {i}: the {['red', 'blue', 'green', 'white'][i % 4]} box in room {i} holds {i * 5} keys."
                for i in range(40))
@@ -63,7 +64,7 @@ async def until(check: Callable[[], Awaitable[bool]], timeout: float = 10.0, wha
 
 def status_of(r: redis.Redis, node: str) -> NodeStatus | None:
     for key in r.scan_iter(match=f"kvtier:*:f:{node}".encode()):
-        return NodeStatus.parse(r.hget(key, b"status"))
+        return NodeStatus.parse(r.hget(key, b"status"), FLEET_KEY.encode())
     return None
 
 
@@ -74,7 +75,7 @@ def hot_fields(r: redis.Redis, node: str) -> int:
 def settings_for(llama_url: str, slot_dir: str, redis_url: str, node: str, **extra: object) -> Settings:
     return Settings(llama_url=llama_url, slot_dir=slot_dir, redis_url=redis_url, node_id=node, chunk_tokens=CHUNK,
                     cache_size=512 << 20, prefill_tps_prior=100.0, save_wait=0.0, forward=True,
-                    auth_token=TOKEN, auth_all=True, **extra)  # type: ignore[arg-type]
+                    auth_token=TOKEN, auth_all=True, chunk_key=FLEET_KEY, **extra)  # type: ignore[arg-type]
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -242,7 +243,8 @@ async def test_a_node_learns_its_prefill_rate_beside_its_computing_slots(
 @pytest.fixture
 def node_c(redis_srv: RedisProc, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     node = Node("c", tmp_path_factory.mktemp("forwarding-c"), smollm2_path(), [*DEFAULT_LLAMA_ARGS, "-np", "2"],
-                redis_srv.url, CHUNK, extra_sidecar_args=["--prefill-tps-prior", "100", "--save-wait", "0"],
+                redis_srv.url, CHUNK, extra_sidecar_args=["--prefill-tps-prior", "100", "--save-wait", "0",
+                                    "--chunk-key", FLEET_KEY],
                 advertise=True)
     node.start(with_sidecar=True)
     try:

@@ -13,15 +13,32 @@ from __future__ import annotations
 import struct
 
 import numpy as np
+import pytest
 
 from integrations import kvflow
 from integrations.chunks import assemble_state
+from sidecar.config import load_settings
 from tests.test_engine_parts import NS, memory_store, state_of
 from tests.test_statefile import logical, ref_file
+from tiers.errors import ConfigError
 from tiers.keys import chunk_key, prefix_chain, tail_hash_after
 
 KEY = b"a-fleet-secret-of-the-tests"
 C = NS.chunk_tokens
+
+
+# ------------------------------------------------------------------ item 8: a fleet secret, always
+
+
+def test_forward_needs_the_fleet_secret() -> None:
+    """--forward sends prompts and bearer tokens to the URLs the fleet view names: without the
+    secret whoever can write to Redis could name their own, so kvtier refuses to start."""
+    base = ["--slot-dir", "/tmp/slots", "--redis-url", "redis://127.0.0.1:6379/0", "--forward"]
+    with pytest.raises(ConfigError, match="forward needs chunk_key"):
+        load_settings(base, env={})
+    assert load_settings(base, env={"KVTIER_CHUNK_KEY": KEY.decode()}).forward
+    assert load_settings(["--slot-dir", "/tmp/slots", "--redis-url", "redis://127.0.0.1:6379/0",
+                          "--advertise-url", "http://10.0.0.2:8081"], env={}).advertise_url  # publishing alone: no
 
 
 # --------------------------------------------- item 12: a prefix reference cannot restore a wrong one

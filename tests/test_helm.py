@@ -742,6 +742,31 @@ def test_forwarding_is_on_with_more_than_one_replica_and_can_be_turned_off(value
         assert env_of(kvtier)["KVTIER_POD_IP"]["valueFrom"] == {"fieldRef": {"fieldPath": "status.podIP"}}
 
 
+def test_forwarding_sidecars_get_the_fleet_secret_from_a_secret() -> None:
+    """kvtier refuses --forward without --chunk-key: wherever the chart forwards, every replica
+    reads one secret (generated, kept by upgrades, or an existing Secret), never a plain value."""
+    rendered = render({"workload": {"replicas": 3}})
+    kvtier = rendered.container("kvtier")
+    assert "--forward" in args_of(kvtier)
+    ref = env_of(kvtier)["KVTIER_CHUNK_KEY"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": FULLNAME, "key": "chunk-key"}
+    generated = base64.b64decode(rendered.one("Secret", FULLNAME)["data"]["chunk-key"]).decode()
+    assert len(generated) >= 32 and generated.isalnum(), "the generated secret is weak"
+    given = render({"workload": {"replicas": 3}, "kvtier": {"chunkKey": {"key": "a-fleet-secret-of-24-chars"}}})
+    assert base64.b64decode(given.one("Secret", FULLNAME)["data"]["chunk-key"]) == b"a-fleet-secret-of-24-chars"
+    existing = render({"workload": {"replicas": 3},
+                       "kvtier": {"chunkKey": {"existingSecret": "fleet", "existingSecretKey": "mac"}}})
+    assert env_of(existing.container("kvtier"))["KVTIER_CHUNK_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "fleet", "key": "mac"}
+    assert "chunk-key" not in existing.one("Secret", FULLNAME)["data"]
+    single = render()  # one replica: no forwarding, no secret unless asked for
+    assert "KVTIER_CHUNK_KEY" not in env_of(single.container("kvtier"))
+    assert "chunk-key" not in single.one("Secret", FULLNAME)["data"]
+    asked = render({"kvtier": {"chunkKey": {"enabled": True}}})
+    assert "KVTIER_CHUNK_KEY" in env_of(asked.container("kvtier"))
+    assert "minLength: got 5, want 16" in render_error({"kvtier": {"chunkKey": {"key": "short"}}})
+
+
 def test_forwarding_without_redis_fails_with_a_clear_message() -> None:
     assert "kvtier.forwarding.enabled=true needs Redis" in render_error(
         {"redis": {"mode": "none"}, "kvtier": {"forwarding": {"enabled": True}}})

@@ -152,6 +152,9 @@ very data the Secret holds, also on the first install.
 {{- if and .Values.kvtier.auth.enabled (not .Values.kvtier.auth.existingSecret) -}}
 {{- $_ := set $data "auth-token" (include "kvtier.secretValue" (list .Values.kvtier.auth.token $stored "auth-token")) -}}
 {{- end -}}
+{{- if and (include "kvtier.chunkKey" .) (not .Values.kvtier.chunkKey.existingSecret) -}}
+{{- $_ := set $data "chunk-key" (include "kvtier.secretValue" (list .Values.kvtier.chunkKey.key $stored "chunk-key")) -}}
+{{- end -}}
 {{- $_ := set . "kvtierSecretData" $data -}}
 {{- end -}}
 {{- with get . "kvtierSecretData" }}{{ toYaml . }}{{ end -}}
@@ -238,6 +241,24 @@ very data the Secret holds, also on the first install.
 {{- if kindIs "invalid" $f -}}
 {{- if or (gt (int $v.workload.replicas) 1) (and $v.autoscaling.enabled (gt (int $v.autoscaling.maxReplicas) 1)) }}true{{ end -}}
 {{- else if $f }}true{{ end -}}
+{{- end -}}
+{{- end }}
+
+{{/* "true" when the sidecars get the fleet secret (--chunk-key): always when they forward (kvtier refuses
+     --forward without it), or when kvtier.chunkKey.enabled. */}}
+{{- define "kvtier.chunkKey" -}}
+{{- if or (include "kvtier.forwarding" .) .Values.kvtier.chunkKey.enabled }}true{{ end -}}
+{{- end }}
+
+{{/* The secretKeyRef of the fleet secret: kvtier.chunkKey.existingSecret, else the chart's Secret. */}}
+{{- define "kvtier.chunkKeyRef" -}}
+{{- $c := .Values.kvtier.chunkKey -}}
+{{- if $c.existingSecret -}}
+name: {{ $c.existingSecret }}
+key: {{ $c.existingSecretKey }}
+{{- else -}}
+name: {{ include "kvtier.fullname" . }}
+key: chunk-key
 {{- end -}}
 {{- end }}
 

@@ -227,6 +227,13 @@ env:
   {{- with include "kvtier.sidecar.redisEnv" . | trim }}
   {{- . | nindent 2 }}
   {{- end }}
+  {{- if include "kvtier.chunkKey" . }}
+  # The fleet secret: the MAC on stored values and on the fleet status peers forward by.
+  - name: KVTIER_CHUNK_KEY
+    valueFrom:
+      secretKeyRef:
+        {{- include "kvtier.chunkKeyRef" . | nindent 8 }}
+  {{- end }}
   {{- with $k.extraEnv }}
   {{- toYaml . | nindent 2 }}
   {{- end }}
