@@ -25,6 +25,8 @@ from tiers.codec import COMPRESSIONS, MIN_MAC_KEY_BYTES
 from tiers.errors import ConfigError
 from tiers.redis_urls import parse_redis_url, redacted_url
 
+from .peerurl import parse_peer_url
+
 Parse = Callable[[str, Any], Any]  # (setting name, value as given) -> typed value; raises ConfigError
 
 
@@ -347,9 +349,10 @@ def validate(s: Settings) -> None:
         raise ConfigError("forward needs chunk_key or chunk_key_file, the same secret on every node: peers "
                           "prove they belong to the fleet with it (a MAC on their status)")
     if s.advertise_url is not None:
-        adv = urlsplit(s.advertise_url)
-        if adv.scheme not in ("http", "https") or not adv.hostname or adv.path not in ("", "/"):
-            raise ConfigError(f"advertise_url: expected http(s)://host:port, got {s.advertise_url!r}")
+        try:
+            parse_peer_url(s.advertise_url)
+        except ValueError as exc:
+            raise ConfigError(f"advertise_url: expected http(s)://host[:port], got {s.advertise_url!r}: {exc}") from None
     if s.forward_timeout <= 0:
         raise ConfigError("forward_timeout must be positive")
     if s.shutdown_timeout < 0:

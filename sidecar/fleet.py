@@ -53,6 +53,7 @@ from tiers.keys import ChunkHash, Namespace, fleet_key, fleet_node_key, prefix_c
 from tiers.redis_conn import RedisConnection
 
 from .costmodel import Ewma
+from .peerurl import PeerUrl, peer_url_or_none
 from .slots import SlotTable
 from .watcher import ServerWatcher
 
@@ -97,8 +98,8 @@ class NodeStatus:
 
     @classmethod
     def parse(cls, raw: object, mac_key: bytes | None = None) -> NodeStatus | None:
-        """The status a stored value holds; None for anything else, or without a valid MAC when
-        ``mac_key`` is given (a hint: never raises)."""
+        """The status a stored value holds; None for anything else: without a valid MAC when
+        ``mac_key`` is given, or naming a URL ``peerurl`` refuses (a hint: never raises)."""
         if not isinstance(raw, bytes) or len(raw) > 1 << 16:
             return None
         if mac_key is not None:
@@ -110,11 +111,18 @@ class NodeStatus:
             slots = tuple(SlotHeat(int(n), bool(idle), bytes.fromhex(tail)) for n, idle, tail in d["slots"])
             status = cls(str(d["node"]), str(d["url"]), slots, int(d["busy"]), int(d["queue"]),
                          float(d["service_s"]), bool(d.get("ready", True)))
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, AttributeError):
             return None
-        if d.get("v") != FORMAT or not status.url.startswith(("http://", "https://")) or status.service_s < 0:
+        if d.get("v") != FORMAT or peer_url_or_none(status.url) is None or not status.service_s >= 0:
             return None
         return status
+
+    @property
+    def peer_url(self) -> PeerUrl:
+        """The URL's checked parts (``parse`` returns no status whose URL fails the check)."""
+        url = peer_url_or_none(self.url)
+        assert url is not None, self.url
+        return url
 
     def wait_s(self, extra: int = 0) -> float:
         """Seconds a new request would wait for a slot here: queued requests (and ``extra`` more,

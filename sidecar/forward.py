@@ -194,7 +194,7 @@ class Forwarder:
         headers[FORWARDED_HEADER] = self.fleet.node_id
         if request_id.get():
             headers["X-Request-Id"] = request_id.get()  # one id in both nodes' logs
-        url = peer.url.rstrip("/") + request.raw_path
+        url = peer.peer_url.forward_url(request.raw_path)  # from checked parts, never by joining strings
         self.fleet.in_flight[peer.node] = self.fleet.in_flight.get(peer.node, 0) + 1
         try:
             upstream = await self._answer_start(url, headers, raw, peer.node)

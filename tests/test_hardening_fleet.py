@@ -18,6 +18,8 @@ import pytest
 from integrations import kvflow
 from integrations.chunks import assemble_state
 from sidecar.config import load_settings
+from sidecar.fleet import NodeStatus, SlotHeat
+from sidecar.peerurl import parse_peer_url
 from tests.test_engine_parts import NS, memory_store, state_of
 from tests.test_statefile import logical, ref_file
 from tiers.errors import ConfigError
@@ -39,6 +41,31 @@ def test_forward_needs_the_fleet_secret() -> None:
     assert load_settings(base, env={"KVTIER_CHUNK_KEY": KEY.decode()}).forward
     assert load_settings(["--slot-dir", "/tmp/slots", "--redis-url", "redis://127.0.0.1:6379/0",
                           "--advertise-url", "http://10.0.0.2:8081"], env={}).advertise_url  # publishing alone: no
+
+
+# ----------------------------------------------------------- item 11: advertise URLs are checked
+
+
+@pytest.mark.parametrize("url", [
+    "http://10.0.0.2:8081/v1", "http://10.0.0.2:8081?x=1", "http://10.0.0.2:8081#f", "http://u@10.0.0.2:8081",
+    "http://u:p@10.0.0.2", "ftp://10.0.0.2:8081", "http://:8081", "http://10.0.0.2:0", "http://10.0.0.2:99999",
+    "http://10.0.0.2:", "http://10.0.0.2:80x", "http://bad_host:1", "http://h\n.x:1", "http://[::1:1",
+    "http://evil.example%2f:1", "http://10.0.0.2:8081?",
+])
+def test_a_bad_advertise_url_is_refused_in_config_and_in_the_fleet_view(url: str) -> None:
+    with pytest.raises(ConfigError, match="advertise_url"):
+        load_settings(["--slot-dir", "/tmp/slots", "--advertise-url", url], env={})
+    assert NodeStatus.parse(NodeStatus("p", url, (SlotHeat(64, True, b""),), 0, 0, 1.0).encode(KEY), KEY) is None
+
+
+def test_the_forward_url_is_built_from_the_checked_parts() -> None:
+    assert parse_peer_url("http://10.0.0.2").forward_url("/v1/chat/completions?a=1") == \
+        "http://10.0.0.2:80/v1/chat/completions?a=1"
+    assert parse_peer_url("https://node-1.fleet.svc/").forward_url("/completion") == \
+        "https://node-1.fleet.svc:443/completion"
+    assert parse_peer_url("http://[fd00::2]:8081").forward_url("/x") == "http://[fd00::2]:8081/x"
+    with pytest.raises(ValueError):
+        parse_peer_url("http://10.0.0.2:8081").forward_url("@evil.example/x")
 
 
 # --------------------------------------------- item 12: a prefix reference cannot restore a wrong one
