@@ -10,13 +10,10 @@ how they read and write a sequence state; what they do with one is the same, and
   beside the chunks;
 - ``store_state``: a saved state's new chunks (split lazily, only those some tier lacks), its
   partial tail, the replaced tail deleted, peers told once Redis holds them;
-- prefix references: a prompt that shares only the start of a stored chunk (or tail), say a
-  system prompt that ends mid-chunk, restores those cells too, to within ``REF_STEP`` tokens.
-  Beside each new chunk and tail, small references are stored under the partial-tail keys of its
-  first 16, 32, ... tokens, each carrying a cell count and all the value's tokens; attention is
-  causal, so the first cells of a stored value are exactly what a prompt sharing only those tokens
-  computes. A reference names no key: the value's key is derived from the prompt's own prefix and
-  the tokens it carries, which must start with the prompt's, so a forged one can at most miss;
+- prefix references (``integrations.prefixrefs``): a prompt that shares only the start of a
+  stored chunk (or tail), say a system prompt that ends mid-chunk, restores those cells too, to
+  within ``REF_STEP`` tokens; a reference is checked against the prompt, so a forged one can at
+  most miss;
 - ``save_session``: a state as a named session (chunks, tail, manifest), announced;
 - pending saves: a node that has just answered marks the prefixes its save will store
   (``pending_marks``: every full chunk of the prompt, and its partial end to within ``REF_STEP``
@@ -28,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import struct
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,32 +34,24 @@ import numpy as np
 
 from tiers.errors import KVTierError
 from tiers.keys import (
-    ChunkHash,
     Namespace,
-    chunk_key,
     common_prefix,
     events_channel,
-    hash_chunk,
     pending_key,
     prefix_chain,
     tail_hash_after,
     tail_hashes,
-    tail_key,
 )
 from tiers.pending import PendingMark, PendingSaves
 from tiers.sessions import Manifest, SessionError, SessionStore
 from tiers.store import Announce, FetchResult, LookupResult, StoreResult, TailHit, TieredStore
 
 from .chunks import chunks_of, first_cells, read_chunk_header, split_state
+from .prefixrefs import REF_CHUNK, REF_STEP, REF_TAIL, check_ref, is_ref, prefix_refs
 from .statefile import SeqState
 
 log = logging.getLogger("kvtier.flow")
 
-REF_STEP = 16  # tokens between prefix references into a stored chunk or tail
-REF_MAGIC = b"KVR2"  # a reference payload (a chunk payload starts with b"KVSC")
-_OLD_REF_MAGIC = b"KVRF"  # references before they carried their tokens: refused, as forged ones are
-_REF = struct.Struct("<4sIBI")  # magic, cells, kind (REF_CHUNK / REF_TAIL), n; then the value's n int32-LE tokens
-REF_CHUNK, REF_TAIL = 0, 1  # what a reference names: a chunk (hash_chunk) or a partial tail (tail_hash_after)
 
 
 class Publisher(Protocol):
@@ -309,7 +297,7 @@ async def fetch_prefix(store: TieredStore, namespace: Namespace, found: PrefixFo
         return PrefixFetched(payloads, n_tokens, frozenset(tiers), fetched, None)
     tail_payload: bytes | memoryview | None = tail_value.payload
     restored_tail: TailHit | None = tail
-    if bytes(tail_value.payload[:4]) in (REF_MAGIC, _OLD_REF_MAGIC):
+    if is_ref(tail_value.payload):
         parent = found.chunks.chunks[-1] if found.chunks.n_chunks else namespace.digest
         tail_payload, reason = await _resolve_ref(store, namespace, tail_value.payload, parent,
                                                   found.tail_tokens, n_tokens, rest=found.whole)
@@ -356,54 +344,15 @@ def _chunk_cells(payload: bytes | memoryview) -> int:
         return 0
 
 
-def ref_payload(kind: int, value_tokens: np.ndarray, n_cells: int) -> bytes:
-    """A reference to the first ``n_cells`` cells of the value (a ``REF_CHUNK`` or ``REF_TAIL``)
-    holding ``value_tokens`` after the reference's own parent."""
-    tokens = np.ascontiguousarray(value_tokens, dtype="<i4")
-    return _REF.pack(REF_MAGIC, n_cells, kind, int(tokens.size)) + tokens.tobytes()
-
-
-@dataclass(frozen=True, slots=True)
-class _RefValue:
-    """What a reference names, once it holds together: the value's key and hash, and its cells."""
-
-    key: bytes
-    hash: ChunkHash
-    n_cells: int
-
-
-def _check_ref(namespace: Namespace, raw: bytes, parent: bytes, prompt: np.ndarray | None,
-               n_cells: int) -> _RefValue | str:
-    """The value a reference found after ``parent``, under the partial-tail key of the prompt's
-    ``n_cells`` tokens ``prompt``, names; else why it is refused. Its tokens must start with the
-    prompt's, and the value's key is derived from ``parent`` and them: whatever a reference says,
-    it can only name the value stored for this very prefix (and more tokens after it)."""
-    if raw[:4] != REF_MAGIC or len(raw) < _REF.size:
-        return "not a prefix reference of this version"
-    _, cells, kind, n = _REF.unpack_from(raw)
-    if kind not in (REF_CHUNK, REF_TAIL) or len(raw) != _REF.size + 4 * n:
-        return "a malformed prefix reference"
-    if cells != n_cells or not 0 < cells < n or (kind == REF_CHUNK and n != namespace.chunk_tokens):
-        return f"a prefix reference to {cells} of {n} cells found for {n_cells}"
-    tokens = np.frombuffer(raw, dtype="<i4", count=n, offset=_REF.size).astype(np.int32)
-    if prompt is None or prompt.size < cells or not np.array_equal(tokens[:cells], prompt[:cells]):
-        return "a prefix reference whose tokens are not the prompt's"
-    if kind == REF_CHUNK:
-        h = hash_chunk(parent, tokens)
-        return _RefValue(chunk_key(namespace, h), h, cells)
-    h = tail_hash_after(parent, tokens)
-    return _RefValue(tail_key(namespace, h), h, cells)
-
-
 async def _resolve_ref(store: TieredStore, namespace: Namespace, ref: bytes | memoryview, parent: bytes,
                        prompt: np.ndarray | None, first_pos: int, *,
                        rest: bool) -> tuple[bytes | memoryview | None, str | None]:
-    """The first cells of the value a reference names (``_check_ref``), which must start at
+    """The first cells of the value a reference names (``check_ref``), which must start at
     ``first_pos``, and None; or None and why the reference is refused; or (None, None) when the
     value is gone or damaged (a miss). A value that holds other cells is rejected."""
     if rest:
         return None, "a prefix reference into a state with a rest"  # never stored: it would lack the rest
-    checked = _check_ref(namespace, bytes(ref), parent, prompt, prompt.size if prompt is not None else 0)
+    checked = check_ref(namespace, bytes(ref), parent, prompt, prompt.size if prompt is not None else 0)
     if isinstance(checked, str):
         return None, checked
     value = await store.read_verified(checked.key, checked.hash, namespace)
@@ -419,13 +368,6 @@ async def _resolve_ref(store: TieredStore, namespace: Namespace, ref: bytes | me
         log.warning("a prefix reference names a value that cannot hold %d cells: %s", checked.n_cells, exc)
         return None, None
     return (cut, None) if read_chunk_header(cut).n_cells == checked.n_cells else (None, None)
-
-
-def prefix_refs(parent: bytes, tokens: np.ndarray, kind: int) -> list[tuple[ChunkHash, bytes, int]]:
-    """References to the first 16, 32, ... cells of a stored value (a ``REF_CHUNK`` or
-    ``REF_TAIL`` after ``parent`` holding ``tokens``), as ``TieredStore.store_tails`` takes them."""
-    hashes = tail_hashes(parent, tokens[: max(int(tokens.size) - 1, 0)])
-    return [(hashes[n - 1], ref_payload(kind, tokens, n), n) for n in range(REF_STEP, len(hashes) + 1, REF_STEP)]
 
 
 @dataclass(frozen=True, slots=True)

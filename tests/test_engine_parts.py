@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from integrations import kvflow
+from integrations import kvflow, prefixrefs
 from integrations.chunks import assemble_state
 from integrations.llama_server import Timings
 from integrations.statefile import parse_state
@@ -323,8 +323,8 @@ async def test_a_reference_to_a_value_never_stored_or_gone_restores_nothing_more
     assert found.tail is not None and found.n_tokens == 96
     # Overwrite the reference with one whose value was never stored (the chunk's last token differs).
     chain = prefix_chain(NS, lg.tokens, 3)
-    forged = kvflow.prefix_refs(chain[0], np.asarray(lg.tokens[64:127] + [lg.tokens[127] + 1], np.int32),
-                                kvflow.REF_CHUNK)
+    forged = prefixrefs.prefix_refs(chain[0], np.asarray(lg.tokens[64:127] + [lg.tokens[127] + 1], np.int32),
+                                    prefixrefs.REF_CHUNK)
     await store.store_tails(NS, forged)
     got = await kvflow.fetch_prefix(store, NS, found)
     assert got.n_tokens == 64 and len(got.payloads) == 1

@@ -15,7 +15,7 @@ import struct
 import numpy as np
 import pytest
 
-from integrations import kvflow
+from integrations import kvflow, prefixrefs
 from integrations.chunks import assemble_state
 from sidecar.config import load_settings
 from sidecar.fleet import NodeStatus, SlotHeat
@@ -105,11 +105,12 @@ async def test_a_forged_prefix_reference_restores_nothing_wrong_and_is_counted()
     # The reference format before: it named another conversation's chunk by key and hash.
     await restored_with(struct.pack("<4sI16s", b"KVRF", 48, other_chain[1]) + chunk_key(NS, other_chain[1]), True)
     # Today's format carrying the other conversation's tokens: they are not the prompt's.
-    await restored_with(kvflow.ref_payload(kvflow.REF_CHUNK, np.asarray(other.tokens[C: 2 * C], np.int32), 48), True)
+    others = np.asarray(other.tokens[C: 2 * C], np.int32)
+    await restored_with(prefixrefs.ref_payload(prefixrefs.REF_CHUNK, others, 48), True)
     # The prompt's tokens, then others': the key they derive holds nothing (a plain miss).
     claimed = np.concatenate([prompt[C: C + 48], np.asarray(other.tokens[112:128], np.int32)])
-    await restored_with(kvflow.ref_payload(kvflow.REF_CHUNK, claimed, 48), False)
+    await restored_with(prefixrefs.ref_payload(prefixrefs.REF_CHUNK, claimed, 48), False)
     # A reference may only be shorter than the value it names, and a chunk is a whole chunk.
-    await restored_with(kvflow.ref_payload(kvflow.REF_CHUNK, prompt[C: C + 48], 48), True)
+    await restored_with(prefixrefs.ref_payload(prefixrefs.REF_CHUNK, prompt[C: C + 48], 48), True)
 
 
