@@ -168,10 +168,17 @@ class Settings:
     forward: bool = _option(False, "forward a completion to the peer sidecar whose slots hold its prefix hot when "
                                    "the cost model (restore, recompute, the peer's queue) says it answers sooner "
                                    "(needs redis_url and chunk_key: only peers whose fleet status carries a "
-                                   "valid MAC receive requests)", _bool)
+                                   "valid, fresh MAC receive requests)", _bool)
     forward_timeout: float = _option(1.0, "seconds to connect to a peer; a peer that cannot be reached, answers "
                                           "with an error or leaves the fleet view before its answer starts leaves "
                                           "the request to this node", _float)
+    forward_first_byte_timeout: float = _option(120.0, "seconds a peer has to start its answer to a forwarded "
+                                                       "request (its status and headers: a streamed completion's "
+                                                       "come with its first token, another's with the whole "
+                                                       "answer); past it the request is served here", _float)
+    forward_total_timeout: float = _option(600.0, "seconds a forwarded request may take in all, its answer's "
+                                                  "last byte included; an answer still running then is cut off",
+                                           _float)
     shutdown_timeout: float = _option(20.0, "seconds to drain requests and writes on SIGTERM", _float)
     keep_restore_files: int = _option(1 << 30, "bytes of restore files (one per slot) kept in the slot dir and "
                                                "overwritten in place by the next restore: no new pages to allocate "
@@ -341,6 +348,14 @@ def validate(s: Settings) -> None:
         raise ConfigError("cost-model priors must be positive")
     if s.prewarm and not s.redis_url:
         raise ConfigError("prewarm needs redis_url (events come through Redis pub/sub)")
+    _validate_fleet(s)
+    if s.shutdown_timeout < 0:
+        raise ConfigError("shutdown_timeout must not be negative")
+    if s.node_id and not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", s.node_id):
+        raise ConfigError(f"node_id may hold letters, digits, '.', '_' and '-' (1-128), got {s.node_id!r}")
+
+
+def _validate_fleet(s: Settings) -> None:
     if s.forward and not s.redis_url:
         raise ConfigError("forward needs redis_url (the fleet view is in Redis)")
     if s.forward and not s.chunk_key:
@@ -353,9 +368,7 @@ def validate(s: Settings) -> None:
             parse_peer_url(s.advertise_url)
         except ValueError as exc:
             raise ConfigError(f"advertise_url: expected http(s)://host[:port], got {s.advertise_url!r}: {exc}") from None
-    if s.forward_timeout <= 0:
-        raise ConfigError("forward_timeout must be positive")
-    if s.shutdown_timeout < 0:
-        raise ConfigError("shutdown_timeout must not be negative")
-    if s.node_id and not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", s.node_id):
-        raise ConfigError(f"node_id may hold letters, digits, '.', '_' and '-' (1-128), got {s.node_id!r}")
+    if s.forward_timeout <= 0 or s.forward_first_byte_timeout <= 0:
+        raise ConfigError("forward_timeout and forward_first_byte_timeout must be positive")
+    if s.forward_total_timeout < s.forward_first_byte_timeout:
+        raise ConfigError("forward_total_timeout must be at least forward_first_byte_timeout")

@@ -10,9 +10,11 @@ A sidecar with ``--advertise-url`` publishes, under its model's namespace (no te
   ``HEARTBEAT_TTL_S``: Redis expires it, no one has to notice. A sidecar whose llama-server fails
   its health check (dead or hung, ``ServerWatcher.up``) withdraws its entry until it answers again.
 - ``kvtier:{ns}:fleet``: a sorted set of node ids (score: wall-clock expiry), the directory a
-  sidecar reads once per heartbeat to know whom to ask.
+  forwarding sidecar reads once per heartbeat, in the background, to know whom to ask: at most
+  ``DIRECTORY_READ_MAX`` ids a time, each kept only with a valid, fresh status (the others are
+  removed), so the directory's size never reaches a request.
 
-A lookup is one pipeline of ``HMGET`` per known peer, the status and the prompt's chain hashes:
+A lookup is one pipeline of ``HMGET`` per live peer, the status and the prompt's chain hashes:
 only the relevant part of the view, in one round trip. A slot's partial tail (the tokens after
 its last full chunk) is in its status as a hash, compared locally with the prompt's.
 
@@ -28,10 +30,12 @@ is no view to invalidate; what events would add (freshness) the change-driven re
 
 Everything here is a hint: a garbled status is skipped, and a wrong one costs a request time
 (the peer's own kvtier and llama-server check what they hold), never correctness. The status holds
-the URL requests are sent to, with the client's headers: with ``--chunk-key`` it carries a keyed
-BLAKE2b MAC and a status without a valid one is skipped, so whoever can write to Redis but lacks the
-secret cannot steer requests to an address of its choosing (forged chunk-hash fields can only send
-a request to a genuine peer, which costs time).
+the URL requests are sent to, with the client's headers: with ``--chunk-key`` (which ``--forward``
+requires) it carries a keyed BLAKE2b MAC over its content and the time it was written, and a status
+without a valid one, or written more than ``STATUS_MAX_AGE_S`` ago, is skipped. So whoever can write
+to Redis but lacks the secret cannot steer requests to an address of its choosing, nor keep a dead
+node's status alive by replaying it (forged chunk-hash fields can only send a request to a genuine,
+live peer, which costs time).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ import hashlib
 import hmac
 import json
 import logging
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,7 +70,11 @@ POLL_S = 0.25  # how often the slot table is compared with what was published
 DIRECTORY_TTL_S = 30.0  # a node id stays in the directory this long (its entry's TTL is the truth)
 STATUS_FIELD = b"status"  # never a chunk hash (those are 16 bytes)
 SERVICE_PRIOR_S = 5.0  # seconds a request holds a slot, until this node has measured it
-FORMAT = 1
+STATUS_MAX_AGE_S = 10.0  # a status written longer ago (or later, by the reader's clock) is stale:
+# heartbeats rewrite it every HEARTBEAT_S; the rest allows for clock skew between nodes (NTP)
+DIRECTORY_READ_MAX = 512  # node ids read from the directory per heartbeat: bounds the work an
+# id list of any size costs (ids without a valid, fresh status are removed from it as they are read)
+FORMAT = 2  # 2: the status carries the time it was written ("t"), inside its MAC
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,18 +97,20 @@ class NodeStatus:
     queue: int  # requests waiting for a slot
     service_s: float  # seconds a request holds a slot, on average (EWMA)
     ready: bool = True
+    at: float = 0.0  # wall-clock time it was written (time.time()): a replayed old status is stale
 
     def encode(self, mac_key: bytes | None = None) -> bytes:
         """JSON, followed with ``mac_key`` by ``\n`` and its keyed BLAKE2b MAC (hex)."""
         raw = json.dumps({"v": FORMAT, "node": self.node, "url": self.url, "busy": self.busy, "queue": self.queue,
-                           "service_s": round(self.service_s, 4), "ready": self.ready,
+                           "service_s": round(self.service_s, 4), "ready": self.ready, "t": self.at,
                            "slots": [[s.n_tokens, int(s.idle), s.tail.hex()] for s in self.slots]}).encode()
         return raw if mac_key is None else raw + b"\n" + _mac(mac_key, raw).encode()
 
     @classmethod
-    def parse(cls, raw: object, mac_key: bytes | None = None) -> NodeStatus | None:
+    def parse(cls, raw: object, mac_key: bytes | None = None, now: float | None = None) -> NodeStatus | None:
         """The status a stored value holds; None for anything else: without a valid MAC when
-        ``mac_key`` is given, or naming a URL ``peerurl`` refuses (a hint: never raises)."""
+        ``mac_key`` is given, written more than ``STATUS_MAX_AGE_S`` from ``now`` when it is
+        given, or naming a URL ``peerurl`` refuses (a hint: never raises)."""
         if not isinstance(raw, bytes) or len(raw) > 1 << 16:
             return None
         if mac_key is not None:
@@ -110,10 +121,12 @@ class NodeStatus:
             d = json.loads(raw)
             slots = tuple(SlotHeat(int(n), bool(idle), bytes.fromhex(tail)) for n, idle, tail in d["slots"])
             status = cls(str(d["node"]), str(d["url"]), slots, int(d["busy"]), int(d["queue"]),
-                         float(d["service_s"]), bool(d.get("ready", True)))
+                         float(d["service_s"]), bool(d.get("ready", True)), float(d["t"]))
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
         if d.get("v") != FORMAT or peer_url_or_none(status.url) is None or not status.service_s >= 0:
+            return None
+        if now is not None and not abs(now - status.at) <= STATUS_MAX_AGE_S:
             return None
         return status
 
@@ -190,15 +203,17 @@ class Fleet:
             appear in it.
         watcher: the llama-server and its slot table.
         mac_key: ``--chunk-key``: statuses are written with a keyed MAC and read only with a valid one.
+        read_peers: read the directory every heartbeat (``--forward``); False: ``peers`` stays empty.
     """
 
     def __init__(self, connection: RedisConnection, node_id: str, url: str | None, watcher: ServerWatcher, *,
-                 clock: Callable[[], float] = time.time, mac_key: bytes | None = None):
+                 clock: Callable[[], float] = time.time, mac_key: bytes | None = None, read_peers: bool = True):
         self.connection = connection
         self.mac_key = mac_key
         self.node_id = node_id
         self.url = url
         self.watcher = watcher
+        self.read_peers = read_peers
         self.service_s = Ewma(SERVICE_PRIOR_S)
         self.peers: list[str] = []  # the directory as last read (other nodes only)
         self.in_flight: dict[str, int] = {}  # requests this node forwarded, per peer, not answered yet
@@ -207,6 +222,7 @@ class Fleet:
         self._published: tuple[bytes, set[bytes]] | None = None  # (key, fields) last written
         self._signature: object = None
         self._last_write = 0.0
+        self._last_read = 0.0
         self._nudged = asyncio.Event()  # a slot changed: compare now, not at the next poll
 
     # -- publishing -------------------------------------------------------------------------------
@@ -228,7 +244,7 @@ class Fleet:
                 fields[h] = fields.get(h, 0) | 1 << s.id
             heats.append(SlotHeat(int(tokens.size), not s.busy or s.saving, tail))
         status = NodeStatus(self.node_id, self.url, tuple(heats), table.computing, table.queue_depth,
-                            self.service_s.value)
+                            self.service_s.value, at=self._clock())
         return target.namespace, status, fields
 
     def _slot_chain(self, slot: int, tokens: np.ndarray, owner: str,
@@ -271,28 +287,42 @@ class Fleet:
                 pipe.hdel(key, *stale)
             pipe.pexpire(key, ttl_ms)
             pipe.zadd(directory, {self.node_id: expiry})
-            pipe.zremrangebyscore(directory, "-inf", self._clock())
-            pipe.zrange(directory, 0, -1)
 
-        results = await self.connection.pipeline("fleet publish", fill)
-        members = results[-1] if isinstance(results[-1], list) else []
-        self.peers = sorted(m.decode() for m in members if isinstance(m, bytes) and m.decode() != self.node_id)
+        await self.connection.pipeline("fleet publish", fill)
         self._published = (key, set(fields))
         self._signature = signature
         self._last_write = now
         return True
 
     async def read_directory(self) -> None:
-        """Read the peers' ids (a node without ``--advertise-url`` does this instead of publishing)."""
+        """Read the peers (a forwarding node, once per heartbeat, in the background): at most
+        ``DIRECTORY_READ_MAX`` ids of the directory, each kept only when its entry holds a valid,
+        fresh status of that node. The ids that do not are removed from the directory (a node
+        re-adds itself with its next heartbeat), so forged or dead ids cost one read, once.
+        Requests read only the result (``peers``): what the directory holds never adds to them."""
         target = self.watcher.target
         if target is None:
             return
-        directory = fleet_key(target.namespace)
-        now = self._clock()
+        model, directory, now = target.namespace, fleet_key(target.namespace), self._clock()
         results = await self.connection.pipeline("fleet directory", lambda pipe: [
-            pipe.zremrangebyscore(directory, "-inf", now), pipe.zrange(directory, 0, -1)])
+            pipe.zremrangebyscore(directory, "-inf", now),
+            pipe.zrangebyscore(directory, now, "+inf", start=0, num=DIRECTORY_READ_MAX)])
         members = results[-1] if isinstance(results[-1], list) else []
-        self.peers = sorted(m.decode() for m in members if isinstance(m, bytes) and m.decode() != self.node_id)
+        ids = [m.decode() for m in members if isinstance(m, bytes) and _NODE_ID.fullmatch(m)]
+        ids = [node for node in ids if node != self.node_id]
+        bad = [m for m in members if isinstance(m, bytes) and not _NODE_ID.fullmatch(m)]
+        statuses = await self.connection.pipeline("fleet directory statuses", lambda pipe: [
+            pipe.hget(fleet_node_key(model, node), STATUS_FIELD) for node in ids]) if ids else []
+        peers: list[str] = []
+        for node, raw in zip(ids, statuses):
+            status = NodeStatus.parse(raw, self.mac_key, now)
+            if status is not None and status.node == node:
+                peers.append(node)
+            else:
+                bad.append(node.encode())
+        self.peers = sorted(peers)
+        if bad:
+            await self.connection.pipeline("fleet directory prune", lambda pipe: pipe.zrem(directory, *bad))
 
     async def run_forever(self) -> None:
         """Publish on every change of the slot table (checked every ``POLL_S``) and every heartbeat."""
@@ -302,9 +332,9 @@ class Fleet:
                     await self.withdraw()  # a hung or dead llama-server: peers must not send it requests
                 elif self.url is not None:
                     await self.publish()
-                elif time.monotonic() - self._last_write >= HEARTBEAT_S:
+                if self.read_peers and time.monotonic() - self._last_read >= HEARTBEAT_S:
+                    self._last_read = time.monotonic()
                     await self.read_directory()
-                    self._last_write = time.monotonic()
             except KVTierError as exc:
                 log.debug("fleet view not updated: %s", exc)
             except Exception:  # never let the heartbeat die: the view would silently go stale
@@ -355,10 +385,11 @@ class Fleet:
         results = await self.connection.pipeline("fleet lookup", lambda pipe: [
             pipe.hmget(fleet_node_key(model, node), fields) for node in peers])
         out: list[PeerHeat] = []
+        now = self._clock()
         for node, values in zip(peers, results):
             if not isinstance(values, list) or not values:
                 continue
-            status = NodeStatus.parse(values[0], self.mac_key)
+            status = NodeStatus.parse(values[0], self.mac_key, now)
             if status is None or status.node != node or not status.ready:
                 continue
             masks = [_mask(v) for v in values[1:]]
@@ -368,17 +399,22 @@ class Fleet:
         return out
 
     async def alive(self, node: str) -> bool:
-        """Whether ``node``'s entry still exists (its heartbeat has not stopped); False when Redis
+        """Whether ``node``'s entry still holds a valid status written within ``STATUS_MAX_AGE_S``
+        (its heartbeat has not stopped: an old status, replayed, does not count); False when Redis
         cannot say."""
         target = self.watcher.target
         if target is None:
             return False
         key = fleet_node_key(target.namespace, node)
         try:
-            results = await self.connection.pipeline("fleet alive", lambda pipe: pipe.exists(key))
+            results = await self.connection.pipeline("fleet alive", lambda pipe: pipe.hget(key, STATUS_FIELD))
         except KVTierError:
             return False
-        return bool(results and results[0])
+        status = NodeStatus.parse(results[0] if results else None, self.mac_key, self._clock())
+        return status is not None and status.node == node
+
+
+_NODE_ID = re.compile(rb"[A-Za-z0-9._-]{1,128}")  # what --node-id may be
 
 
 def _mask(value: object) -> int:

@@ -86,7 +86,9 @@ class ForwardMetrics:
             "kvtier_route_fallback_seconds", "Time a failed forward cost before the request was served here",
             buckets=LATENCY_BUCKETS, registry=registry)
         self.failures = Counter("kvtier_route_forward_failures", "Forwards that fell back to serving here, by "
-                                "reason: connect, status, gone (left the fleet view), error", ["reason"],
+                                "reason: connect, status, gone (left the fleet view), timeout (no answer within "
+                                "--forward-first-byte-timeout, or the answer past --forward-total-timeout), error",
+                                ["reason"],
                                 registry=registry)
 
 
@@ -145,15 +147,19 @@ class Forwarder:
     """Routes completions between this sidecar and its peers; owns the HTTP client to them."""
 
     def __init__(self, fleet: Fleet, store: TieredStore, cost: CostModel, metrics: ForwardMetrics, *,
-                 enabled: bool, connect_timeout: float):
+                 enabled: bool, connect_timeout: float, first_byte_timeout: float = 120.0,
+                 total_timeout: float = 600.0):
         self.fleet = fleet
         self.store = store
         self.cost = cost
         self.metrics = metrics
         self.enabled = enabled
+        self.first_byte_timeout = first_byte_timeout
+        # total: the whole exchange, the answer's last byte included (aiohttp's timer runs on
+        # through the body): a peer that trickles an answer forever is cut off.
         self.session = aiohttp.ClientSession(
             cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False,
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout, connect=connect_timeout))
+            timeout=aiohttp.ClientTimeout(total=total_timeout, sock_connect=connect_timeout, connect=connect_timeout))
 
     async def aclose(self) -> None:
         await self.session.close()
@@ -220,19 +226,27 @@ class Forwarder:
     async def _answer_start(self, url: str, headers: CIMultiDict[str], raw: bytes,
                             node: str) -> aiohttp.ClientResponse | None:
         """The peer's response once its status and headers arrived; None (counted) when the peer
-        cannot be reached or leaves the fleet view first."""
+        cannot be reached, leaves the fleet view (its status stops being renewed) or does not
+        start its answer within ``first_byte_timeout`` seconds."""
         async def send() -> aiohttp.ClientResponse:
             return await self.session.post(url, data=raw, headers=headers, allow_redirects=False)
 
         sending = asyncio.ensure_future(send())
+        deadline = time.monotonic() + self.first_byte_timeout
         try:
             while True:
-                done, _ = await asyncio.wait({sending}, timeout=LIVENESS_CHECK_S)
+                left = deadline - time.monotonic()
+                done, _ = await asyncio.wait({sending}, timeout=max(min(LIVENESS_CHECK_S, left), 0))
                 if done:
                     return sending.result()
+                if left <= LIVENESS_CHECK_S:
+                    _too_late(sending)
+                    self.metrics.failures.labels("timeout").inc()
+                    log.warning("peer %s did not start its answer within %.0f s; serving here", node,
+                                self.first_byte_timeout)
+                    return None
                 if not await self.fleet.alive(node):
-                    if sending.done() and not sending.cancelled() and sending.exception() is None:
-                        sending.result().close()  # it started just now: too late, the request is ours
+                    _too_late(sending)
                     self.metrics.failures.labels("gone").inc()
                     log.warning("peer %s left the fleet view before answering; serving here", node)
                     return None
@@ -267,14 +281,23 @@ class Forwarder:
             if isinstance(exc, asyncio.CancelledError):
                 raise
             raise asyncio.CancelledError from None
-        except aiohttp.ClientError as exc:
-            # Cut short by the peer after its answer started: the client's connection is closed too.
-            log.warning("peer %s's answer broke off: %s", node, exc)
+        except (aiohttp.ClientError, TimeoutError) as exc:
+            # Cut short by the peer, or past the total timeout, after its answer started: the
+            # client's connection is closed too.
+            if isinstance(exc, TimeoutError):
+                self.metrics.failures.labels("timeout").inc()
+            log.warning("peer %s's answer broke off: %s", node, exc or type(exc).__name__)
             upstream.close()
             raise
         finally:
             upstream.release()
         return response
+
+
+def _too_late(sending: asyncio.Future[aiohttp.ClientResponse]) -> None:
+    """The peer's answer started just as this node gave up on it: the request is this node's now."""
+    if sending.done() and not sending.cancelled() and sending.exception() is None:
+        sending.result().close()
 
 
 def here_cached(target: Target, tokens: np.ndarray, salt: str, slots: list[tuple[np.ndarray, str, bool]]) -> int:
@@ -324,9 +347,11 @@ async def fleet_resources(app: web.Application) -> AsyncIterator[None]:
         return
     engine = app[ENGINE]
     fleet = Fleet(redis.connection, settings.node_id, settings.advertise_url, engine.watcher,
-                  mac_key=settings.chunk_key.encode() if settings.chunk_key else None)
+                  mac_key=settings.chunk_key.encode() if settings.chunk_key else None, read_peers=settings.forward)
     forwarder = Forwarder(fleet, engine.store, engine.cost, ForwardMetrics(app[METRICS].registry),
-                          enabled=settings.forward, connect_timeout=settings.forward_timeout)
+                          enabled=settings.forward, connect_timeout=settings.forward_timeout,
+                          first_byte_timeout=settings.forward_first_byte_timeout,
+                          total_timeout=settings.forward_total_timeout)
     app[FORWARDER] = forwarder
     heartbeat = asyncio.get_running_loop().create_task(fleet.run_forever(), name="kvtier-fleet")
     try:

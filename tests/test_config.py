@@ -62,6 +62,8 @@ SAMPLES: dict[str, tuple[Any, Any]] = {
     "advertise_url": ("http://10.0.0.7:8081", "http://10.0.0.7:8081"),
     "forward": (True, True),
     "forward_timeout": ("0.25", 0.25),
+    "forward_first_byte_timeout": ("30", 30.0),
+    "forward_total_timeout": ("900", 900.0),
     "shutdown_timeout": ("3.5", 3.5),
     "keep_restore_files": ("0", 0),
 }
