@@ -52,11 +52,11 @@ def status(node: str = "p", url: str = "http://10.0.0.2:8081", at: float | None 
 def test_forward_needs_the_fleet_secret() -> None:
     """--forward sends prompts and bearer tokens to the URLs the fleet view names: without the
     secret whoever can write to Redis could name their own, so kvtier refuses to start."""
-    base = ["--slot-dir", "/tmp/slots", "--redis-url", "redis://127.0.0.1:6379/0", "--forward"]
+    base = ["--slot-dir", "slots", "--redis-url", "redis://127.0.0.1:6379/0", "--forward"]
     with pytest.raises(ConfigError, match="forward needs chunk_key"):
         load_settings(base, env={})
     assert load_settings(base, env={"KVTIER_CHUNK_KEY": KEY.decode()}).forward
-    assert load_settings(["--slot-dir", "/tmp/slots", "--redis-url", "redis://127.0.0.1:6379/0",
+    assert load_settings(["--slot-dir", "slots", "--redis-url", "redis://127.0.0.1:6379/0",
                           "--advertise-url", "http://10.0.0.2:8081"], env={}).advertise_url  # publishing alone: no
 
 
@@ -86,7 +86,7 @@ def test_a_replayed_status_is_stale_and_its_time_is_signed() -> None:
 ])
 def test_a_bad_advertise_url_is_refused_in_config_and_in_the_fleet_view(url: str) -> None:
     with pytest.raises(ConfigError, match="advertise_url"):
-        load_settings(["--slot-dir", "/tmp/slots", "--advertise-url", url], env={})
+        load_settings(["--slot-dir", "slots", "--advertise-url", url], env={})
     assert NodeStatus.parse(status(url=url).encode(KEY), KEY, time.time()) is None
 
 
