@@ -1,4 +1,4 @@
-"""The ``kvtier`` command: serve, demo, state inspect, sessions, stats."""
+"""The ``kvtier`` command: serve, demo, state inspect, sessions, cache, stats."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ commands:
   demo               rolling-update demo: two llama-servers, two sidecars, Valkey
   state inspect F    describe a llama.cpp sequence-state file (--json)
   sessions ACTION    ls | show ID | rm ID | save ID | restore ID  (a running sidecar's sessions API)
+  cache ACTION       ls | rm --all|--namespace ID|--salt S|--session ID|--tokens JSON  (Redis, or a sidecar)
   stats              hit rates per tier and tokens restored vs recomputed (from /metrics)
 """
 
@@ -65,6 +66,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .cli_client import sessions_main
 
             return sessions_main(rest)
+        if command == "cache":
+            from .cli_cache import cache_main
+
+            return cache_main(rest)
         if command == "stats":
             from .cli_client import stats_main
 

@@ -25,6 +25,7 @@ from .redis_conn import UNAVAILABLE, RedisConnection
 log = logging.getLogger("kvtier.events")
 
 MAX_EVENT_BYTES = 1 << 20  # larger pub/sub messages are not events of ours
+PURGE_KEYS_PER_EVENT = 8000  # keys of ~70 bytes: an event stays well under MAX_EVENT_BYTES
 POLL_SECONDS = 0.5  # a subscriber notices ``aclose`` of the connection within this
 RESUBSCRIBE_BASE = 0.1  # s, first delay before subscribing again after a lost subscription
 RESUBSCRIBE_CAP = 5.0  # s, longest such delay
@@ -74,6 +75,20 @@ class EventBus:
     async def publish_session_saved(self, channel: str, session: str, **fields: Any) -> int:
         """``session_saved``: a session's manifest was written."""
         return await self.publish(channel, "session_saved", session=session, **fields)
+
+    async def publish_cache_purged(self, channel: str, namespace: str, keys: Sequence[bytes] | None = None) -> int:
+        """``cache_purged``: an operator deleted cached KV from the shared tier; each node drops
+        the same from its own tiers. ``namespace`` is a namespace id, or ``*`` for every one;
+        ``keys``, when given, are the only keys purged (one conversation's), sent in events of at
+        most ``PURGE_KEYS_PER_EVENT`` keys. Returns the receivers of the first event."""
+        if keys is None:
+            return await self.publish(channel, "cache_purged", namespace=namespace)
+        names = [k.decode("ascii", "replace") for k in keys]
+        first = -1
+        for i in range(0, max(len(names), 1), PURGE_KEYS_PER_EVENT):
+            n = await self.publish(channel, "cache_purged", namespace=namespace, keys=names[i: i + PURGE_KEYS_PER_EVENT])
+            first = n if first < 0 else first
+        return first
 
     async def events(self, channel: str, *, include_own: bool = False) -> AsyncIterator[Event]:
         """Events published on ``channel`` by peers, as dicts, until the connection is closed.

@@ -176,6 +176,12 @@ def fleet_node_key(namespace: Namespace, node_id: str) -> bytes:
     return f"kvtier:{namespace.id}:f:{node_id}".encode()
 
 
+def model_key(namespace: Namespace) -> bytes:
+    """A model's record (its fingerprint and chunk size, JSON), so that an operator's tool can
+    compute a tenant's namespace from its salt: ``kvtier:{ns}:model``, ``ns`` without a salt."""
+    return f"kvtier:{namespace.id}:model".encode()
+
+
 def session_key(namespace: Namespace, session_id: str) -> bytes:
     """Storage key of a session manifest: ``kvtier:{ns}:s:{session}``."""
     return f"kvtier:{namespace.id}:s:{session_id}".encode()
