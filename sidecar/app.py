@@ -22,7 +22,8 @@ from tiers.redis_backend import RedisBackend
 from tiers.sessions import SessionStore
 from tiers.store import TieredStore
 
-from .appkeys import ENGINE, FORWARDER, METRICS, REDIS, SETTINGS, STORE, UPSTREAM
+from .appkeys import ENGINE, EVENTS, FORWARDER, METRICS, REDIS, SETTINGS, STORE, UPSTREAM
+from .cache_admin import follow_purges
 from .config import Settings
 from .engine import KVEngine
 from .forward import fleet_resources
@@ -99,9 +100,12 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     app[UPSTREAM] = upstream
     app[STORE] = store
     app[REDIS] = redis.tier if redis is not None else None
+    app[EVENTS] = redis.events if redis is not None else None
     app[ENGINE] = engine
     loop = asyncio.get_running_loop()
     tasks = [loop.create_task(engine.watcher.watch_forever(HEALTH_INTERVAL_S), name="kvtier-health")]
+    if redis is not None:  # purges done elsewhere (another node, the CLI) reach this node's tiers
+        tasks.append(loop.create_task(follow_purges(engine, redis.connection, redis.events), name="kvtier-purges"))
     if settings.prewarm and redis is not None:
         tasks.append(loop.create_task(prewarm_forever(engine.watcher, redis.events, store, metrics),
                                       name="kvtier-prewarm"))

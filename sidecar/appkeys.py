@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
+from tiers.events import EventBus
 from tiers.redis_tier import RedisTier
 from tiers.store import TieredStore
 
@@ -24,5 +25,7 @@ STORE = web.AppKey("store", TieredStore)
 ENGINE = web.AppKey("engine", KVEngine)
 # The Redis chunk tier (ping, breaker state for readiness and metrics), None without Redis.
 REDIS: web.AppKey[RedisTier | None] = web.AppKey("redis")
+# The event bus on that Redis (purges are announced on it), None without Redis.
+EVENTS: web.AppKey[EventBus | None] = web.AppKey("events")
 # Cache-aware forwarding and the fleet view; None without Redis, or with neither --advertise-url nor --forward.
 FORWARDER: web.AppKey[Forwarder | None] = web.AppKey("forwarder")

@@ -89,6 +89,37 @@ RESTORE_SESSION = {
                                                "ms": {"type": "number"}}}),
                   **_errors(400, 401, 404, 409, 410, 413, 502, 503)},
 }
+USAGE = {"type": "object", "required": ["namespace", "bytes"], "properties": {
+    "namespace": {"type": "string"}, "bytes": {"type": "integer"}, "chunks": {"type": "integer"},
+    "tails": {"type": "integer"}, "wholes": {"type": "integer"}, "sessions": {"type": "integer"},
+    "session_tails": {"type": "integer"}, "pending": {"type": "integer"}, "model": {"type": "string"},
+    "chunk_tokens": {"type": "integer"}}}
+CACHE_USAGE = {
+    "parameters": [{"name": "namespace", "in": "query", "schema": {"type": "string", "pattern": "^[0-9a-f]{16}$"}}],
+    "responses": {"200": _json({"type": "object", "required": ["shared", "namespaces", "this_node"], "properties": {
+        "shared": {"type": "boolean"}, "namespaces": {"type": "array", "items": USAGE},
+        "this_node": {"type": "object"}}}), **_errors(400, 401, 503)},
+}
+CACHE_PURGE = {
+    "requestBody": {"required": True, "content": {"application/json": {"schema": {
+        "type": "object", "additionalProperties": False, "minProperties": 1,
+        "properties": {"all": {"type": "boolean", "enum": [True]},
+                       "namespace": {"type": "string", "pattern": "^[0-9a-f]{16}$"},
+                       "salt": {"type": "string", "maxLength": 256},
+                       "session": {"type": "string", "pattern": SESSION_ID_RE.pattern},
+                       "tokens": {"type": "array", "items": {"type": "integer"}, "minItems": 1},
+                       "prompt": {"type": "string"},
+                       "messages": {"type": "array", "items": {"type": "object"}}},
+    }}}},
+    "responses": {"200": _json({"type": "object", "required": ["scope", "namespaces", "redis_keys_deleted"],
+                                "properties": {"scope": {"type": "string"},
+                                               "namespaces": {"type": "array", "items": {"type": "string"}},
+                                               "redis_keys_deleted": {"type": "integer"},
+                                               "local_values_deleted": {"type": "integer"},
+                                               "slots_erased": {"type": "integer"}, "slots_busy": {"type": "integer"},
+                                               "shared": {"type": "boolean"}}}),
+                  **_errors(400, 401, 404, 413, 503)},
+}
 RELAYED = {"responses": {"200": {"description": "llama-server's answer, relayed"}}}
 
 INFO = {"title": "kvtier sidecar", "version": "1",

@@ -16,6 +16,7 @@ from typing import Any, Literal
 from aiohttp import web
 
 from . import openapi
+from .cache_admin import cache_purge, cache_usage
 from .middlewares import AuthPolicy, Handler, canonical_path, json_error
 from .probes import healthz, metrics_endpoint, readyz
 from .proxy import COMPLETION_KINDS, checked_passthrough, handle_completion, passthrough
@@ -78,6 +79,11 @@ ROUTES: tuple[Route, ...] = (
           openapi.DELETE_SESSION),
     Route("POST", "/v1/sessions/{id}/restore", restore_session, "admin",
           "Restore a session into a slot of this node", openapi.RESTORE_SESSION),
+    Route("GET", "/v1/cache", cache_usage, "admin", "What the shared tier holds, by namespace, and this node's tiers",
+          openapi.CACHE_USAGE),
+    Route("POST", "/v1/cache/purge", cache_purge, "admin",
+          "Delete cached KV: everything, a namespace, a tenant or one conversation, on every node",
+          openapi.CACHE_PURGE),
     *(Route("POST", path, handle_completion, "api", _completion_summary(path, kind), openapi.RELAYED, relayed=True)
       for path, kind in COMPLETION_KINDS.items()),
 )

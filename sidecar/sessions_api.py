@@ -57,13 +57,14 @@ def sessions_errors(handler: Handler) -> Handler:
     return wrapped
 
 
-async def _body(request: web.Request) -> dict[str, Any]:
-    if request.content_length is not None and request.content_length > MAX_BODY:
-        raise ApiError(413, "payload_too_large", f"request body over {MAX_BODY} bytes")
+async def read_json_object(request: web.Request, max_body: int, fields: frozenset[str]) -> dict[str, Any]:
+    """The body as a JSON object of only ``fields`` ({} for an empty body), else an ``ApiError``."""
+    if request.content_length is not None and request.content_length > max_body:
+        raise ApiError(413, "payload_too_large", f"request body over {max_body} bytes")
     try:
-        raw = await read_body(request, MAX_BODY)  # all of it, however many pieces it comes in
+        raw = await read_body(request, max_body)  # all of it, however many pieces it comes in
     except web.HTTPRequestEntityTooLarge:
-        raise ApiError(413, "payload_too_large", f"request body over {MAX_BODY} bytes") from None
+        raise ApiError(413, "payload_too_large", f"request body over {max_body} bytes") from None
     if not raw.strip():
         return {}
     try:
@@ -72,10 +73,14 @@ async def _body(request: web.Request) -> dict[str, Any]:
         raise ApiError(400, "invalid_request", "request body is not valid JSON") from None
     if not isinstance(data, dict):
         raise ApiError(400, "invalid_request", "request body must be a JSON object")
-    unknown = set(data) - {"slot", "wait_s"}
+    unknown = set(data) - fields
     if unknown:
         raise ApiError(400, "invalid_request", f"unknown field(s): {', '.join(sorted(unknown))[:200]}")
     return data
+
+
+async def _body(request: web.Request) -> dict[str, Any]:
+    return await read_json_object(request, MAX_BODY, frozenset({"slot", "wait_s"}))
 
 
 def _slot_field(data: dict[str, Any], n_slots: int) -> int | None:

@@ -133,6 +133,14 @@ class SlotFiles:
     async def _free_kept(self, why: str, but: int | None = None) -> int:
         """Remove the kept restore files (but slot ``but``'s, whose lock the caller holds), each
         under its slot's lock; returns the bytes freed."""
+        freed = await self.drop_kept(but)
+        if freed:
+            log.warning("%s: removed %d bytes of kept restore files and tried again", why, freed)
+        return freed
+
+    async def drop_kept(self, but: int | None = None) -> int:
+        """Remove the kept restore files while serving (a purge: they hold KV), each under its
+        slot's lock, so none goes while its restore runs; returns the bytes freed."""
         freed = 0
         for slot in [s for s in self._kept if s != but]:
             async with self._locks.setdefault(slot, asyncio.Lock()):
@@ -140,8 +148,6 @@ class SlotFiles:
                 if nbytes:
                     (self.slot_dir / f"{FILE_PREFIX}restore-{slot}.bin").unlink(missing_ok=True)
                     freed += nbytes
-        if freed:
-            log.warning("%s: removed %d bytes of kept restore files and tried again", why, freed)
         return freed
 
     def remove_kept(self) -> None:

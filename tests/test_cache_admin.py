@@ -1,18 +1,23 @@
 """Listing and purging the automatic cache: ``kvtier cache ls|rm`` against real Valkey (one server
-and a cluster)."""
+and a cluster), and the admin API of a real sidecar (``GET /v1/cache``, ``POST /v1/cache/purge``)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+import numpy as np
 import pytest
 import redis
 
 from sidecar import cli
-from tests.servers import RedisProc
+from sidecar.config import Settings
+from tests.servers import RedisProc, llama_server
+from tests.sidecars import post, run_sidecar
 from tiers import purge
 from tiers.codec import BlobCodec
 from tiers.events import Event, EventBus
@@ -24,10 +29,12 @@ from tiers.keys import (
     model_key,
     prefix_chain,
 )
+from tiers.memory import MemoryTier
 from tiers.redis_conn import RedisConnection
 from tiers.redis_manifests import RedisManifests
 from tiers.redis_tier import RedisTier
 from tiers.sessions import SessionStore
+from tiers.shared import SharedTier
 from tiers.store import TieredStore
 
 C = 16  # tokens per chunk: three chunks and a tail per conversation
@@ -202,3 +209,142 @@ async def test_cli_purges_in_a_cluster(redis_cluster: Any, capsys: pytest.Captur
         assert [k for n in redis_cluster.nodes for k in cache_keys(n.url)] == []
     finally:
         await conn.aclose()
+
+
+async def test_local_tiers_drop_one_namespace_and_forged_model_records_are_ignored(
+        shm_dir: Path, redis_srv: RedisProc) -> None:
+    memory, shared = MemoryTier(16 << 20), SharedTier(shm_dir, 16 << 20)
+    store = TieredStore([memory, shared], BlobCodec("none"))
+    alice, bob = MODEL.salted("alice"), MODEL.salted("bob")
+    keys = {ns.id: await store_conversation(store, ns, CONV) for ns in (alice, bob)}
+    removed = await store.purge_local(prefix=purge.namespace_keys_prefix(alice.id))
+    assert removed == 2 * 4  # three chunks and a tail, from each tier
+    for tier in (memory, shared):
+        assert await tier.contains_many(keys[alice.id]) == [False] * 3
+        assert await tier.contains_many(keys[bob.id]) == [True] * 3
+    assert shared.stats().entries == 4 and await restores(store, bob, CONV)
+    assert await store.purge_local(keys=keys[bob.id][:1]) == 2
+    assert await store.purge_local(prefix=purge.namespace_keys_prefix(purge.ALL)) == 2 * 3
+    assert memory.stats().entries == shared.stats().entries == 0
+
+    # A model record that does not hash to its key's id is not a model's (nor a way to steer a purge).
+    conn = RedisConnection(redis_srv.url)
+    try:
+        with redis.Redis.from_url(redis_srv.url) as r:
+            r.flushall()
+            r.set(b"kvtier:0123456789abcdef:model", json.dumps({"fingerprint": "x", "chunk_tokens": C}))
+            r.set(model_key(MODEL).replace(b":model", b"x:model"), b"{}")
+        await purge.register_model(conn, MODEL)
+        assert await purge.models(conn) == [purge.ModelRecord(MODEL.id, MODEL.fingerprint, C)]
+        with pytest.raises(ValueError):
+            await purge.register_model(conn, alice)  # a tenant's salt never goes to Redis
+    finally:
+        await conn.aclose()
+
+
+# -- through a sidecar ----------------------------------------------------------------------------
+
+TOKEN = "t0k3n-for-cache-admin"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+DOC = " ".join(f"Entry {i}: river {['Po', 'Nile', 'Ob', 'Don'][i % 4]} is {i * 7} km from here." for i in range(16))
+
+
+def chat(question: str) -> dict[str, Any]:
+    return {"messages": [{"role": "system", "content": DOC}, {"role": "user", "content": question}],
+            "max_tokens": 4, "temperature": 0}
+
+
+async def call(method: str, url: str, body: Any = None, *, headers: dict[str, str] | None = None,
+               raw: bytes | None = None) -> tuple[int, Any]:
+    async with aiohttp.ClientSession() as s:
+        kwargs: dict[str, Any] = {"headers": AUTH if headers is None else headers}
+        if raw is not None:
+            kwargs["data"] = raw
+        elif body is not None:
+            kwargs["json"] = body
+        async with s.request(method, url, **kwargs) as r:
+            return r.status, await r.json(content_type=None)
+
+
+async def memory_holds(sidecar: Any, ns: Namespace, tokens: np.ndarray) -> bool:
+    keys = [chunk_key(ns, h) for h in prefix_chain(ns, tokens)]
+    return bool(keys) and all(await sidecar.store.tiers[0].contains_many(keys))
+
+
+@pytest.fixture
+async def sidecar_with_valkey(redis_srv: RedisProc, tmp_path: Path) -> AsyncIterator[Any]:
+    with redis.Redis.from_url(redis_srv.url) as r:
+        r.flushall()
+    with llama_server(tmp_path, "-np", "3") as llama:
+        settings = Settings(llama_url=llama.url, slot_dir=str(llama.slot_dir), redis_url=redis_srv.url, node_id="a",
+                            chunk_tokens=64, cache_size=256 << 20, auth_token=TOKEN, prefill_tps_prior=100.0)
+        async with run_sidecar(settings) as sidecar:
+            yield sidecar
+
+
+@pytest.mark.llama
+async def test_purge_endpoint_clears_redis_ram_and_slots_and_follows_the_cli(
+        sidecar_with_valkey: Any, redis_srv: RedisProc, capsys: pytest.CaptureFixture[str]) -> None:
+    sc = sidecar_with_valkey
+    url = sc.url + "/v1/chat/completions"
+    for salt in ("alice", "bob", "carol"):
+        r = await post(url, chat("Which river is 21 km away?"), headers={"X-KVTier-Salt": salt})
+        assert r.status == 200, r.text
+    await sc.engine.drain(30)
+    await sc.store.flush(10)
+    target = sc.engine.target
+    alice, bob, carol = (target.namespace_for(s) for s in ("alice", "bob", "carol"))
+    held = {s.owner: s.tokens.copy() for s in sc.engine.slots.slots}
+    assert await memory_holds(sc, alice, held["alice"]) and await memory_holds(sc, bob, held["bob"])
+
+    # The admin API needs the token.
+    assert (await call("GET", sc.url + "/v1/cache", headers={}))[0] == 401
+    assert (await call("POST", sc.url + "/v1/cache/purge", {"all": True}, headers={}))[0] == 401
+    status, listed = await call("GET", sc.url + "/v1/cache")
+    assert status == 200 and listed["this_node"]["namespace"] == target.namespace.id
+    by_ns = {u["namespace"]: u for u in listed["namespaces"]}
+    assert by_ns[alice.id]["chunks"] >= 1 and by_ns[bob.id]["chunks"] == by_ns[alice.id]["chunks"]
+    assert by_ns[target.namespace.id]["model"] == target.namespace.fingerprint  # recorded at start
+
+    # A tenant: Redis, this node's RAM and the idle slot holding its conversation.
+    status, out = await call("POST", sc.url + "/v1/cache/purge", {"salt": "alice"})
+    assert status == 200, out
+    assert out["scope"] == "tenant" and out["namespaces"] == [alice.id] and out["slots_erased"] == 1
+    assert out["redis_keys_deleted"] > 0 and out["local_values_deleted"] > 0
+    assert cache_keys(redis_srv.url, alice) == [] and not await memory_holds(sc, alice, held["alice"])
+    assert cache_keys(redis_srv.url, bob) and await memory_holds(sc, bob, held["bob"])
+    again = await post(url, chat("Which river is 21 km away?"), headers={"X-KVTier-Salt": "alice"})
+    assert again.status == 200 and again.restored == 0 and again.body["timings"]["cache_n"] == 0
+    await sc.engine.drain(30)
+
+    # A purge from the CLI against Redis reaches this node's RAM and slots through its event.
+    rc, out = await run_cli(capsys, "cache", "rm", "--salt", "bob", "--redis", redis_srv.url)
+    assert rc == 0 and out["namespaces"] == [bob.id]
+    for _ in range(100):
+        if not await memory_holds(sc, bob, held["bob"]):
+            break
+        await asyncio.sleep(0.05)
+    assert not await memory_holds(sc, bob, held["bob"]) and cache_keys(redis_srv.url, bob) == []
+    assert all(s.tokens.size == 0 for s in sc.engine.slots.slots if s.owner == "bob")
+
+    # One conversation, given as the chat it was.
+    status, out = await call("POST", sc.url + "/v1/cache/purge",
+                             {"messages": chat("Which river is 21 km away?")["messages"], "salt": "carol"})
+    assert status == 200 and out["scope"] == "conversation" and out["redis_keys_deleted"] > 0, out
+    assert cache_keys(redis_srv.url, carol) == [] and out["slots_erased"] == 1
+
+    # Mistakes are 400s (404 for a session that does not exist), as JSON.
+    for body in ({}, {"all": False}, {"all": True, "salt": "x"}, {"namespace": "zz"}, {"tokens": "abc"},
+                 {"tokens": [1, 2**40]}, {"salt": ""}, {"prompt": 5}, {"bogus": 1}, {"session": "../x"},
+                 {"tokens": [1], "prompt": "x"}):
+        status, err = await call("POST", sc.url + "/v1/cache/purge", body)
+        assert status == 400 and err["error"]["code"] == 400, (body, err)
+    status, err = await call("POST", sc.url + "/v1/cache/purge", raw=b"{nope", headers={**AUTH})
+    assert status == 400 and err["error"]["type"] == "invalid_request"
+    assert (await call("POST", sc.url + "/v1/cache/purge", {"session": "none-such"}))[0] == 404
+    assert (await call("GET", sc.url + "/v1/cache?namespace=xyz"))[0] == 400
+
+    # Everything, through the CLI's sidecar mode.
+    rc, out = await run_cli(capsys, "cache", "rm", "--all", "--url", sc.url, "--token", TOKEN)
+    assert rc == 0 and out["scope"] == "all"
+    assert cache_keys(redis_srv.url) == [] and sc.store.tiers[0].stats().entries == 0

@@ -116,7 +116,7 @@ def test_every_route_is_declared_once() -> None:
 @pytest.mark.parametrize(("path", "allowed"), [
     ("/healthz", "GET, HEAD"), ("/readyz", "GET, HEAD"), ("/metrics", "GET, HEAD"), ("/openapi.json", "GET, HEAD"),
     ("/v1/sessions", "GET, HEAD"), ("/v1/sessions/abc", "GET, HEAD, PUT, DELETE"),
-    ("/v1/sessions/abc/restore", "POST"),
+    ("/v1/sessions/abc/restore", "POST"), ("/v1/cache", "GET, HEAD"), ("/v1/cache/purge", "POST"),
     ("/v1/sessions/", None), ("/v1/sessions/a/b", None), ("/v1/sessions/a/restore/x", None),
     ("/completion", None), ("/v1/chat/completions", None), ("/props", None), ("/healthz/x", None),
 ])
@@ -127,7 +127,7 @@ def test_allowed_methods_come_from_the_table(path: str, allowed: str | None) -> 
 def test_auth_policy_comes_from_the_table() -> None:
     policy = auth_policy(TOKEN, False)
     assert policy.open_paths == {"/healthz", "/readyz"}
-    assert set(policy.token_prefixes) == {"/v1/sessions", "/openapi.json"}
+    assert set(policy.token_prefixes) == {"/v1/sessions", "/openapi.json", "/v1/cache", "/v1/cache/purge"}
     assert not policy.protect_all and auth_policy(TOKEN, True).protect_all
 
 

@@ -93,6 +93,12 @@ class MemoryTier:
                     removed += 1
         return removed
 
+    async def delete_prefix(self, prefix: bytes) -> int:
+        """Delete every value whose key starts with ``prefix`` (a namespace's, on a purge)."""
+        with self._lock:
+            doomed = [k for k in self._data if k.startswith(prefix)]
+        return await self.delete(doomed)
+
     def stats(self) -> TierStats:
         with self._lock:
             entries, used = len(self._data), self._used

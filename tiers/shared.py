@@ -355,6 +355,33 @@ class SharedTier:
                 self._budget.removed(size)
         return removed
 
+    def delete_prefix_sync(self, prefix: bytes) -> int:
+        """Delete every value whose key starts with ``prefix`` (a namespace's, on a purge).
+
+        Files are named by their key's hex, so a prefix is a prefix of the name too; keys longer
+        than ``MAX_PLAIN_KEY`` are named by a digest and cannot be told apart by prefix (only
+        session tails of ids near the 128-character limit): they leave by eviction, or by their
+        own key (``delete``).
+        """
+        if not prefix:
+            raise ValueError("an empty prefix would name every file: use clear()")
+        name_prefix = prefix.hex()
+        removed = 0
+        with os.scandir(self._dir) as it:
+            for entry in it:
+                if entry.name.startswith(name_prefix) and entry.is_file(follow_symlinks=False):
+                    try:
+                        size = entry.stat(follow_symlinks=False).st_size
+                    except FileNotFoundError:
+                        continue
+                    if _unlink(entry.path):
+                        removed += 1
+                        self._budget.removed(size)
+        return removed
+
+    async def delete_prefix(self, prefix: bytes) -> int:
+        return await asyncio.to_thread(self.delete_prefix_sync, prefix)
+
     def clear(self) -> int:
         """Remove every value (not the directory); returns how many files were removed."""
         removed = 0

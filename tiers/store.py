@@ -360,6 +360,20 @@ class TieredStore:
         for tier in self.tiers:
             await _attempt(tier.delete(keys), "delete", tier)
 
+    async def purge_local(self, *, prefix: bytes | None = None, keys: Sequence[bytes] = ()) -> int:
+        """Delete from this node's tiers (RAM, the shared directory; not the background ones)
+        every value under ``prefix`` and the values of ``keys``; returns how many were deleted.
+        Writes still queued for the background tiers are not dropped: ``flush`` first."""
+        removed = 0
+        for tier in self._sync:
+            if prefix is not None:
+                delete_prefix = getattr(tier, "delete_prefix", None)  # memory and shared tiers have it
+                if delete_prefix is not None:
+                    removed += await _attempt(delete_prefix(prefix), "purge", tier) or 0
+            if keys:
+                removed += await _attempt(tier.delete(keys), "purge", tier) or 0
+        return removed
+
     async def flush(self, timeout: float | None = None) -> bool:
         """Wait until the background queue is empty; False if ``timeout`` ran out first."""
         return await self._writer.flush(timeout)
