@@ -304,7 +304,9 @@ async def follow_purges(engine: KVEngine, conn: RedisConnection, events: EventBu
         target = engine.target
         assert target is not None
         async for event in events.events(events_channel(target.namespace)):
-            if event.get("type") == "cache_purged":
+            if event.get("type") == "reconnected":  # Redis may have restarted empty: record the model again
+                await _register(conn, target.namespace)
+            elif event.get("type") == "cache_purged":
                 try:
                     await _drop(engine, event)
                 except Exception:  # the next purge must still be followed
@@ -315,18 +317,21 @@ async def follow_purges(engine: KVEngine, conn: RedisConnection, events: EventBu
 
 async def register_forever(engine: KVEngine, conn: RedisConnection) -> None:
     """Record the model this node serves (``tiers.purge.register_model``) once it is known, then
-    every ``REGISTER_EVERY_S`` (a Redis that restarted empty, a model that changed)."""
+    every ``REGISTER_EVERY_S`` (a model that changed, a Redis that lost the record)."""
     while True:
         if not await engine.ensure_ready() or engine.target is None:
             await asyncio.sleep(2)
             continue
-        try:
-            await purge.register_model(conn, engine.target.namespace)
-            wait = REGISTER_EVERY_S
-        except KVTierError as exc:
-            log.info("model record not written (%s); tenants' purges from the CLI need it", exc)
-            wait = 10.0
-        await asyncio.sleep(wait)
+        await asyncio.sleep(REGISTER_EVERY_S if await _register(conn, engine.target.namespace) else 10.0)
+
+
+async def _register(conn: RedisConnection, namespace: Namespace) -> bool:
+    try:
+        await purge.register_model(conn, namespace)
+    except KVTierError as exc:
+        log.info("model record not written (%s); tenants' purges from the CLI need it", exc)
+        return False
+    return True
 
 
 async def _drop(engine: KVEngine, event: Event) -> None:

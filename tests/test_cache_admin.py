@@ -348,3 +348,15 @@ async def test_purge_endpoint_clears_redis_ram_and_slots_and_follows_the_cli(
     rc, out = await run_cli(capsys, "cache", "rm", "--all", "--url", sc.url, "--token", TOKEN)
     assert rc == 0 and out["scope"] == "all"
     assert cache_keys(redis_srv.url) == [] and sc.store.tiers[0].stats().entries == 0
+
+    # A Redis that restarted empty is given the model record again (when the subscription
+    # reconnects, not minutes later), so tenants' purges from the CLI keep working.
+    redis_srv.stop()
+    redis_srv.start()
+    for _ in range(200):
+        with redis.Redis.from_url(redis_srv.url) as r:
+            if r.exists(model_key(target.namespace)):
+                break
+        await asyncio.sleep(0.1)
+    with redis.Redis.from_url(redis_srv.url) as r:
+        assert r.exists(model_key(target.namespace))
