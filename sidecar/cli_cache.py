@@ -63,6 +63,10 @@ def cache_main(argv: Sequence[str]) -> int:
         print("kvtier cache rm: give --all, --namespace, --salt, --session, --tokens, --prompt or --messages",
               file=sys.stderr)
         return 2
+    if args.action == "rm" and args.salt is not None and (args.all or args.namespace):
+        print("kvtier cache rm: --salt does not go with --all or --namespace (a tenant is --salt alone)",
+              file=sys.stderr)
+        return 2
     try:
         if args.redis:
             return asyncio.run(_direct(args))
@@ -163,8 +167,6 @@ async def _remove(conn: RedisConnection, args: argparse.Namespace) -> int:
     salt = args.salt or ""
     if args.all or args.namespace:
         ns = purge.ALL if args.all else purge.validate_namespace_id(args.namespace)
-        if args.salt is not None:
-            raise ValueError("--salt does not go with --all or --namespace")
         deleted = await purge.purge_namespace(conn, ns)
         for model in known:
             await events.publish_cache_purged(events_channel(model.salted()), ns)
