@@ -28,6 +28,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+import redis
 
 from sidecar import app as app_module
 from sidecar.config import Settings
@@ -74,8 +75,12 @@ async def restart(llama: LlamaServer) -> None:
 
 
 @contextlib.asynccontextmanager
-async def nodes(tmp: Path, redis_url: str, n: int, model: str, *args: str) -> AsyncIterator[
+async def nodes(tmp: Path, redis_srv: RedisProc, n: int, model: str, *args: str) -> AsyncIterator[
         list[tuple[LlamaServer, Sidecar]]]:
+    """``n`` nodes on an empty Redis (the tests of this module share it, and a model)."""
+    with redis.Redis(port=redis_srv.port) as r:
+        r.flushall()
+    redis_url = redis_srv.url
     async with contextlib.AsyncExitStack() as stack:
         out = []
         for i in range(n):
@@ -101,6 +106,8 @@ async def converse(pairs: Sequence[tuple[LlamaServer, Sidecar]], system: str, tu
                      "restored": ans.restored, "seconds": time.perf_counter() - t0})
         history += [{"role": "user", "content": QUESTIONS[t]}, {"role": "assistant", "content": ans.content}]
         await settle(sc)
+    print("turn: prompt_n / cache_n, seconds:", "; ".join(  # shown with pytest -s
+        f"{t + 1}: {r['prompt_n']} / {r['cache_n']}, {r['seconds']:.1f}" for t, r in enumerate(rows)))
     return rows
 
 
@@ -125,7 +132,7 @@ def model_8b(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.mark.parametrize("n_nodes", [1, 2])
 async def test_slow_turns_after_restarts_compute_only_the_new_turn(
         redis_srv: RedisProc, model_8b: str, tmp_path: Path, n_nodes: int) -> None:
-    async with nodes(tmp_path, redis_srv.url, n_nodes, model_8b, "-t", "1", "-np", "2") as pairs:
+    async with nodes(tmp_path, redis_srv, n_nodes, model_8b, "-t", "1", "-np", "2") as pairs:
         rows = await converse(pairs, document(70))
         assert rows[0]["seconds"] >= 5.0, rows  # long enough for the health loop to look twice
         assert_only_new_turns(rows)
@@ -135,7 +142,7 @@ async def test_slow_turns_after_restarts_compute_only_the_new_turn(
 @pytest.mark.parametrize("flags", [(), ("--swa-full",)], ids=["default", "swa-full"])
 async def test_sliding_window_turns_after_restarts_compute_only_the_new_turn(
         redis_srv: RedisProc, tmp_path: Path, flags: tuple[str, ...]) -> None:
-    async with nodes(tmp_path, redis_srv.url, 2, gemma3_path(), "-np", "2", "-c", "8192", *flags) as pairs:
+    async with nodes(tmp_path, redis_srv, 2, gemma3_path(), "-np", "2", "-c", "8192", *flags) as pairs:
         rows = await converse(pairs, document(40))
         assert rows[0]["cache_n"] == 0 and rows[0]["prompt_n"] > 512, rows  # past the 512-token window
         assert_only_new_turns(rows)
@@ -163,7 +170,7 @@ def busy_cores(n: int, seconds: float) -> Iterator[None]:
 
 
 async def test_turns_after_restarts_on_a_loaded_machine(redis_srv: RedisProc, tmp_path: Path) -> None:
-    async with nodes(tmp_path, redis_srv.url, 1, smollm2_path(), "-np", "2") as pairs:
+    async with nodes(tmp_path, redis_srv, 1, smollm2_path(), "-np", "2") as pairs:
         with busy_cores(2, 600):
             rows = await converse(pairs, document(40))
         assert_only_new_turns(rows)
@@ -172,7 +179,7 @@ async def test_turns_after_restarts_on_a_loaded_machine(redis_srv: RedisProc, tm
 
 async def test_a_restart_during_a_long_prefill_skips_that_save_only(
         redis_srv: RedisProc, model_8b: str, tmp_path: Path) -> None:
-    async with nodes(tmp_path, redis_srv.url, 1, model_8b, "-t", "1", "-np", "2") as pairs:
+    async with nodes(tmp_path, redis_srv, 1, model_8b, "-t", "1", "-np", "2") as pairs:
         (llama, sc), = pairs
         system = document(20)
         first = await post(sc.url + "/v1/chat/completions", chat(system, [], QUESTIONS[0]))
@@ -214,7 +221,7 @@ async def test_an_answer_read_to_done_is_saved_when_the_client_leaves_at_once(
         redis_srv: RedisProc, tmp_path: Path) -> None:
     """The OpenAI client closes its connection right after ``data: [DONE]``: each such answer is
     saved, as one read to the end of the stream would be."""
-    async with nodes(tmp_path, redis_srv.url, 1, smollm2_path(), "-np", "2") as pairs:
+    async with nodes(tmp_path, redis_srv, 1, smollm2_path(), "-np", "2") as pairs:
         (_, sc), = pairs
         saves = sc.metric("kvtier_save_seconds_count")
         n = 12
