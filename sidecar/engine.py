@@ -35,7 +35,7 @@ from tiers.store import FetchResult, TieredStore
 from .config import Settings
 from .costmodel import CostModel
 from .metrics import Metrics
-from .planner import EarlyLookup, RestorePlanner
+from .planner import EarlyLookup, RestorePlanner, WaitBudget
 from .prompts import Prompt, PromptTokens
 from .restorer import Restored, RestoreWriter
 from .saver import Saver
@@ -214,12 +214,14 @@ class KVEngine:
                 # and the faster answer would tell this tenant what the other one asked.
                 await self.client.erase_slot(lease.slot)
                 lease.table.set_tokens(lease.slot, NO_TOKENS, owner=plan.salt)
-            if plan.session_id is not None and await self._restore_session_prefix(plan, target):
+            # One request waits at most --save-wait for saves in flight, its session's and its prefix's together.
+            budget = WaitBudget(self.settings.save_wait)
+            if plan.session_id is not None and await self._restore_session_prefix(plan, target, budget):
                 return
             # No session, or it could not be restored: the longest prefix the tiers hold, as for any
             # request (with Redis down, the local tiers may hold it).
             found = await self.planner.plan(plan.namespace, plan.tokens, lease.cached_tokens, target, lease.slot,
-                                            early)
+                                            early, budget)
             if found is None:
                 return
             restored = await self.restorer.restore_prefix(lease, plan.namespace, found, plan.tokens, target,
@@ -233,13 +235,13 @@ class KVEngine:
             log.warning("restore into slot %d failed, recomputing: %s", lease.slot, exc)
             lease.table.forget(lease.slot)
 
-    async def _restore_session_prefix(self, plan: RequestPlan, target: Target) -> bool:
+    async def _restore_session_prefix(self, plan: RequestPlan, target: Target, budget: WaitBudget) -> bool:
         """Restore the request's session when it is a prefix of the prompt and worth it."""
         assert plan.session_id is not None
         lease = plan.lease
         try:
             manifest = await self.planner.find_session(self.sessions, plan.namespace, plan.session_id, plan.tokens,
-                                                       lease.cached_tokens, target, lease.slot)
+                                                       lease.cached_tokens, target, lease.slot, budget)
             if not self.planner.session_worth(manifest, plan.tokens, lease.cached_tokens, target,
                                               self._session_tier, lease.slot):
                 return False

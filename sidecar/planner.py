@@ -44,6 +44,19 @@ class EarlyLookup:
         return self.found
 
 
+class WaitBudget:
+    """The time one request may still spend waiting for other nodes' saves, all its waits
+    together: a session's and then its prefix's lookup wait at most ``--save-wait`` in all."""
+
+    __slots__ = ("left",)
+
+    def __init__(self, seconds: float):
+        self.left = max(0.0, seconds)
+
+    def spend(self, seconds: float) -> None:
+        self.left = max(0.0, self.left - seconds)
+
+
 class RestorePlanner:
     """Looks up the longest stored prefix of a prompt and asks the cost model whether to restore it."""
 
@@ -58,9 +71,10 @@ class RestorePlanner:
         self.off: set[str] = set()  # layouts restores are off for, until kvtier restarts
 
     async def plan(self, namespace: Namespace, tokens: np.ndarray, cached: int, target: Target,
-                   slot: int, early: EarlyLookup | None = None) -> PrefixFound | None:
+                   slot: int, early: EarlyLookup | None = None, budget: WaitBudget | None = None) -> PrefixFound | None:
         """The prefix worth restoring into a slot that holds ``cached`` tokens of ``tokens``, or None.
-        ``early``: the route check's lookup of the same tokens, planned with while it is fresh."""
+        ``early``: the route check's lookup of the same tokens, planned with while it is fresh.
+        ``budget``: what the request may still wait for saves in flight (default: ``save_wait``)."""
         C = namespace.chunk_tokens
         if target.memory_kind in self.off:
             return None
@@ -73,7 +87,7 @@ class RestorePlanner:
         if found is None:
             found = await find_prefix(self.store, namespace, tokens, n_ctx=target.n_ctx_slot, whole=target.whole,
                                       tail_only=target.tail_only)
-        ended = await self.wait_for_save(namespace, tokens, found, max(found.n_tokens, cached), target, slot)
+        ended = await self.wait_for_save(namespace, tokens, found, max(found.n_tokens, cached), target, slot, budget)
         if ended is not None:
             before, found = found.n_tokens, await find_prefix(self.store, namespace, tokens, n_ctx=target.n_ctx_slot,
                                                               whole=target.whole, tail_only=target.tail_only)
@@ -87,22 +101,25 @@ class RestorePlanner:
         return found
 
     async def wait_for_save(self, namespace: Namespace, tokens: np.ndarray, found: PrefixFound, have: int,
-                            target: Target, slot: int) -> bool | None:
+                            target: Target, slot: int, budget: WaitBudget | None = None) -> bool | None:
         """When another node is saving more of ``tokens`` than ``have`` (what the tiers or a
         session hold, or the slot), wait for that save while waiting beats computing the
-        difference, at most ``save_wait``. None when there was nothing to wait for; True when the
+        difference, at most what is left of ``budget`` (default: ``save_wait``), which the wait
+        spends. None when there was nothing to wait for; True when the
         save ended, False when the wait timed out (look up again either way: part of it may be
         stored). A save whose node died ends the wait when its marks expire.
 
         ``found`` is what a lookup of ``tokens`` found: only the marks past it are read.
         """
-        if self.pending is None or self.save_wait <= 0:
+        budget = budget if budget is not None else WaitBudget(self.save_wait)
+        if self.pending is None or budget.left <= 0:
             return None
         waited = await wait_for_pending(self.pending, namespace, tokens, found, have,
-                                        lambda save: self._wait_bound(save, have, target, slot),
+                                        lambda save: self._wait_bound(save, have, target, slot, budget.left),
                                         n_ctx=target.n_ctx_slot)
         if waited is None:
             return None
+        budget.spend(waited.seconds)
         self.metrics.save_wait_seconds.observe(waited.seconds)
         if not waited.ended:
             self.metrics.save_waits.labels("timeout").inc()
@@ -115,15 +132,15 @@ class RestorePlanner:
         """Count what a wait that ended brought: more than ``before`` tokens (landed) or not (failed)."""
         self.metrics.save_waits.labels("landed" if after > before else "failed").inc()
 
-    def _wait_bound(self, save: PendingSave, have: int, target: Target, slot: int) -> float:
+    def _wait_bound(self, save: PendingSave, have: int, target: Target, slot: int, left: float) -> float:
         """Seconds a wait for ``save`` may last and still beat recomputing what it would add, at
-        most ``save_wait``; 0 (no wait) when its node expects it to land later than that: such a
+        most ``left`` (of the request's ``save_wait``); 0 (no wait) when its node expects it to land later than that: such a
         wait could only time out, adding its length to the turn (counted as ``skipped``)."""
         gain = save.n_tokens - have
         remote = [t.name for t in self.store.tiers if t.role is TierRole.REMOTE]
         tier = remote[0] if remote else self.store.tiers[-1].name
         decision = self.cost.decide(gain, {tier: gain * target.bytes_per_token})
-        bound = min(self.save_wait, decision.predicted_recompute_s - decision.predicted_restore_s)
+        bound = min(left, decision.predicted_recompute_s - decision.predicted_restore_s)
         if save.mark.ready_at:
             expected: float | None = save.mark.ready_at - time.time()
         else:  # its node has no estimate yet: this node's own, as if the save had just begun
@@ -137,9 +154,10 @@ class RestorePlanner:
         return bound
 
     async def find_session(self, sessions: SessionStore, namespace: Namespace, session_id: str, tokens: np.ndarray,
-                           cached: int, target: Target, slot: int) -> Manifest:
+                           cached: int, target: Target, slot: int, budget: WaitBudget | None = None) -> Manifest:
         """Session ``session_id``; when another node is still saving a longer version of it (the
-        turn before this one, or its first), after that save, as ``wait_for_save`` bounds it.
+        turn before this one, or its first), after that save, as ``wait_for_save`` bounds it
+        (spending ``budget``: a prefix lookup after it waits only for what is left).
 
         Raises:
             SessionNotFound, KVTierError: as ``SessionStore.load``.
@@ -149,7 +167,7 @@ class RestorePlanner:
         except SessionNotFound:
             manifest = None  # its first save may be the one in flight
         have = int(manifest.tokens.size) if manifest is not None else 0
-        ended = await self.wait_for_save(namespace, tokens, NOTHING_FOUND, max(have, cached), target, slot)
+        ended = await self.wait_for_save(namespace, tokens, NOTHING_FOUND, max(have, cached), target, slot, budget)
         if ended is None and manifest is not None:
             return manifest
         manifest = await sessions.load(namespace, session_id)

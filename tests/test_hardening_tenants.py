@@ -1,0 +1,82 @@
+"""Tenants against a real sidecar, llama-server and Valkey (docs/security.md, *Tenants* and *Side
+channels*): what one tenant can learn of, or do to, another's prompts and sessions."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import redis
+
+from integrations.kvflow import pending_marks
+from sidecar.config import Settings
+from tests.servers import LlamaServer, RedisProc, llama_server
+from tests.sidecars import Sidecar, post, run_sidecar
+from tiers.pending import PendingMark
+
+pytestmark = pytest.mark.llama
+
+TOKEN = "tenants-token"
+BEARER = {"Authorization": f"Bearer {TOKEN}"}
+CHUNK = 64
+# About 300 tokens: several chunks, a second or two to compute on 2 cores.
+DOC = " ".join(f"Ledger {i}: vault {i * 7919 % 1000} holds {i * 13} bars of {['gold', 'silver'][i % 2]}."
+               for i in range(25))
+
+
+@dataclass
+class Node:
+    sc: Sidecar
+    llama: LlamaServer
+    redis: RedisProc
+
+
+def settings_for(llama: LlamaServer, redis_url: str, **kw: Any) -> Settings:
+    return replace(Settings(llama_url=llama.url, slot_dir=str(llama.slot_dir), redis_url=redis_url, node_id="ten",
+                            chunk_tokens=CHUNK, cache_size=256 << 20, auth_token=TOKEN), **kw)
+
+
+@pytest_asyncio.fixture(scope="module")
+async def node(redis_srv: RedisProc, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Node]:
+    tmp: Path = tmp_path_factory.mktemp("tenants")
+    with llama_server(tmp, "-np", "2") as llama:  # 2 slots of 2,048 tokens
+        async with run_sidecar(settings_for(llama, redis_srv.url)) as sc:
+            assert await sc.engine.ensure_ready()
+            yield Node(sc, llama, redis_srv)
+
+
+
+# -- 13: a session request waits for saves in flight once, not twice ----------------------------------------
+
+
+async def test_a_session_request_waits_for_a_planted_mark_at_most_once(node: Node) -> None:
+    """A mark nobody clears stands on the request's prompt; the session it names has never been
+    saved. The session's lookup and then the prefix's both saw the mark, and each waited the whole
+    ``--save-wait``: 2 s for a 1 s bound. Now they share one bound."""
+    async with run_sidecar(settings_for(node.llama, node.redis.url, save_wait=1.0, node_id="ten-wait",
+                                        prefill_tps_prior=50.0)) as sc:
+        assert await sc.engine.ensure_ready()
+        body = {"messages": [{"role": "system", "content": "Waiting room. " + DOC},
+                             {"role": "user", "content": "Which vault holds the most?"}], "max_tokens": 2}
+        prompt = await sc.engine.prompts.prompt_for("chat", body)
+        assert prompt is not None and prompt.tokens.size > 4 * CHUNK
+        marks = [key for key, n in pending_marks(sc.engine.target.namespace, prompt.tokens) if n % CHUNK == 0]
+        with redis.Redis(port=node.redis.port) as r:
+            r.set(marks[-1], PendingMark(int(prompt.tokens.size), "nobody").encode())
+            try:
+                ans = await post(sc.url + "/v1/chat/completions", body,
+                                 headers={**BEARER, "X-Session-Id": "never-saved-before"})
+            finally:
+                r.delete(marks[-1])
+        assert ans.status == 200, ans.text
+        waited = sc.metric("kvtier_save_wait_seconds_sum")
+        overhead = sc.metric("kvtier_overhead_seconds_sum")
+        print(f"waited {waited:.2f} s in {sc.metric('kvtier_save_wait_seconds_count'):.0f} wait(s); "
+              f"sidecar time before forwarding {overhead:.2f} s")
+        assert 0.9 <= waited < 1.3 and sc.metric("kvtier_save_wait_seconds_count") == 1
+        assert overhead < 1.5
+        await sc.engine.drain(30)
