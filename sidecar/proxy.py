@@ -28,6 +28,7 @@ from .config import Settings
 from .forward import may_forward, route_or_none
 from .middlewares import client_gone, json_error, read_body, request_id
 from .prompts import asked_of
+from .tenants import tenant_salt
 from .upstream import UpstreamError, UpstreamResponse
 
 log = logging.getLogger("kvtier.proxy")
@@ -201,7 +202,11 @@ async def _completion(request: web.Request, kind: str) -> web.StreamResponse:
     session_id = request.headers.get("X-Session-Id")
     want = body.get("id_slot")
     want = want if isinstance(want, int) and not isinstance(want, bool) and 0 <= want < engine.target.n_slots else None  # type: ignore[union-attr]
-    salt = _tenant_salt(request, body)
+    try:
+        salt = tenant_salt(request.headers, body)
+    except ValueError as exc:
+        metrics.requests.labels(kind, "invalid").inc()
+        return json_error(400, str(exc))
     if body.get("cache_prompt") is False:
         metrics.requests.labels(kind, "passthrough").inc()
         return await _pinned_passthrough(request, body, want, salt)
@@ -374,7 +379,3 @@ def upstream_body(raw: bytes, body: Mapping[str, Any], slot: int) -> bytes:
     except TypeError:  # an integer beyond 64 bits
         return json.dumps(forwarded).encode()
 
-
-def _tenant_salt(request: web.Request, body: Mapping[str, Any]) -> str:
-    salt = request.headers.get("X-KVTier-Salt") or body.get("cache_salt") or ""
-    return salt if isinstance(salt, str) else ""

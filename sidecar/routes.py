@@ -21,6 +21,7 @@ from .middlewares import AuthPolicy, Handler, canonical_path, json_error
 from .probes import healthz, metrics_endpoint, readyz
 from .proxy import COMPLETION_KINDS, checked_passthrough, handle_completion, passthrough
 from .sessions_api import delete_session, get_session, list_sessions, restore_session, save_session
+from .tenants import names_tenant
 
 # open: never needs the bearer token (the probes); admin: needs it whenever one is set (the
 # sessions API); api: needs it only with --auth-all.
@@ -187,7 +188,7 @@ async def catch_all(request: web.Request) -> web.StreamResponse:
     if request.path.startswith(_OWN_PREFIXES):
         return json_error(404, f"{request.path} is not part of the kvtier API")
     if untenanted(request.method, request.path):
-        if request.headers.get("X-KVTier-Salt"):
+        if names_tenant(request.headers):
             return json_error(403, f"{request.method} {request.path} runs outside kvtier's tenant rules "
                                    "(llama-server picks its slot); send tenants' requests to the completion routes")
         if request.method == "POST":

@@ -24,6 +24,7 @@ from tiers.sessions import SessionIncomplete, SessionNotFound, validate_session_
 
 from .appkeys import ENGINE, METRICS
 from .middlewares import Handler, json_error, read_body
+from .tenants import tenant_salt
 
 MAX_BODY = 64 * 1024
 DEFAULT_WAIT_S = 10.0
@@ -116,7 +117,10 @@ async def _engine_ready(request: web.Request):  # type: ignore[no-untyped-def]
 
 
 def _namespace(request: web.Request, engine: Any):  # type: ignore[no-untyped-def]
-    salt = request.headers.get("X-KVTier-Salt", "")
+    try:
+        salt = tenant_salt(request.headers)
+    except ValueError as exc:
+        raise ApiError(400, "invalid_request", str(exc)) from None
     return (engine.target.namespace.salted(salt) if salt else engine.target.namespace), salt
 
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 import pytest_asyncio
 import redis
@@ -48,6 +49,44 @@ async def node(redis_srv: RedisProc, tmp_path_factory: pytest.TempPathFactory) -
             assert await sc.engine.ensure_ready()
             yield Node(sc, llama, redis_srv)
 
+
+
+# -- 5: a gateway's header names the tenant, even empty -----------------------------------------------------
+
+
+async def test_a_present_salt_header_names_the_tenant_whatever_the_body_says(node: Node) -> None:
+    """Tenant a's prompt is hot in a slot and stored in the tiers. A request whose gateway named the
+    unsalted tenant (an empty header) and whose body claims ``cache_salt: a`` is the unsalted tenant:
+    it reuses and restores nothing of a's. Without the header, the body's salt is the tenant."""
+    url = node.sc.url + "/completion"
+    prompt = "Tenant a's ledger. " + DOC
+    first = await post(url, {"prompt": prompt, "n_predict": 2, "temperature": 0}, headers={"X-KVTier-Salt": "a"})
+    assert first.status == 200, first.text
+    await node.sc.engine.drain(30)
+    claim = {"prompt": prompt + " Which vault holds most?", "n_predict": 2, "temperature": 0, "cache_salt": "a"}
+    ans = await post(url, claim, headers={"X-KVTier-Salt": ""})
+    assert ans.status == 200, ans.text
+    assert ans.body["timings"]["cache_n"] == 0 and ans.restored == 0, (ans.body["timings"], ans.headers)
+    await node.sc.engine.drain(30)
+    # No header: the body's cache_salt (a secret the client holds) is its tenant.
+    own = await post(url, {**claim, "prompt": prompt + " And the least?"})
+    assert own.status == 200 and own.body["timings"]["cache_n"] + own.restored >= CHUNK * 4, own.body["timings"]
+    await node.sc.engine.drain(30)
+    # A header given twice, or a salt that is not a string: a clear 400, never a guess.
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url, json={"prompt": "x", "n_predict": 1},
+                          headers=[("X-KVTier-Salt", "b"), ("X-KVTier-Salt", "a")]) as r:
+            assert r.status == 400 and "X-KVTier-Salt" in (await r.json())["error"]["message"]
+        async with s.get(node.sc.url + "/v1/sessions", headers=[*BEARER.items(), ("X-KVTier-Salt", "b"),
+                                                                ("X-KVTier-Salt", "a")]) as r:
+            assert r.status == 400, await r.text()
+    for salt in (7, ["a"], {"a": 1}, True):
+        bad = await post(url, {"prompt": "x", "n_predict": 1, "cache_salt": salt})
+        assert bad.status == 400 and "cache_salt" in bad.body["error"]["message"], (salt, bad.text)
+    # llama-server's own prompt endpoints are refused to a request whose gateway named a tenant, even the unsalted one.
+    infill = await post(node.sc.url + "/infill", {"input_prefix": prompt, "n_predict": 1},
+                        headers={"X-KVTier-Salt": ""})
+    assert infill.status == 403, infill.text
 
 
 # -- 13: a session request waits for saves in flight once, not twice ----------------------------------------
