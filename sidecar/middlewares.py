@@ -9,7 +9,7 @@ import logging
 import os
 import posixpath
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +26,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 log = logging.getLogger("kvtier.app")
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+SESSION_HEADER = "X-Session-Id"
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,11 +40,18 @@ class AuthPolicy:
     # llama-server's state-changing actions, (method, path): they need it whenever a token is set
     admin_actions: frozenset[tuple[str, str]] = frozenset()
     refused_actions: frozenset[tuple[str, str]] = frozenset()  # (method, path): 403, whatever the token
+    # Where a request with X-Session-Id saves a session after its answer (the completion routes):
+    # it needs the token whenever one is set, as the sessions API does.
+    session_paths: frozenset[str] = frozenset()
 
     def needs_token(self, path: str, method: str = "GET") -> bool:
         return bool(self.token) and path not in self.open_paths and (
             self.protect_all or path.startswith(self.token_prefixes)
             or _matches(self.admin_actions, method, canonical_path(path)))
+
+    def saves_session(self, path: str, headers: Mapping[str, str]) -> bool:
+        """Whether a request would save a session that needs the token (``X-Session-Id`` on a completion)."""
+        return bool(self.token) and SESSION_HEADER in headers and canonical_path(path) in self.session_paths
 
     def refuses(self, path: str, method: str) -> bool:
         return _matches(self.refused_actions, method, canonical_path(path))
@@ -93,11 +101,13 @@ def front_middleware(auth: AuthPolicy) -> Any:
         reset = request_id.set(rid)
         try:
             # compare_digest: the time taken does not tell how much of the token matched.
-            denied = auth.needs_token(request.path, request.method) and \
+            session = auth.saves_session(request.path, request.headers)
+            denied = (session or auth.needs_token(request.path, request.method)) and \
                 not hmac.compare_digest(request.headers.get("Authorization", "").encode(), expected)
             response: web.StreamResponse
             if denied:
-                response = json_error(401, "missing or wrong bearer token")
+                response = json_error(401, "missing or wrong bearer token" + (
+                    f" ({SESSION_HEADER} saves a session, which needs it)" if session else ""))
             elif auth.refuses(request.path, request.method):
                 response = json_error(403, f"{request.method} {request.path}: kvtier owns llama-server's slots; "
                                            "an operator may pass slot actions on with --allow-slot-actions")

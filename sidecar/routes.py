@@ -158,7 +158,8 @@ def allowed_methods(path: str) -> str | None:
 
 def auth_policy(token: str | None, protect_all: bool, *, allow_slot_actions: bool = False) -> AuthPolicy:
     """Which paths need ``token``: the admin routes' (and anything under them), llama-server's
-    state-changing actions, every path but the open ones with ``protect_all``; which actions are
+    state-changing actions, completions that save a session (``X-Session-Id``), every path but
+    the open ones with ``protect_all``; which actions are
     refused whatever the token (the slot actions, unless ``allow_slot_actions``)."""
     slots = frozenset((r.method, r.path) for r in LLAMA_SERVER_RULES if r.rule == "slots")
     return AuthPolicy(
@@ -169,6 +170,7 @@ def auth_policy(token: str | None, protect_all: bool, *, allow_slot_actions: boo
         admin_actions=frozenset((r.method, r.path) for r in LLAMA_SERVER_RULES if r.rule == "admin")
         | (slots if allow_slot_actions else frozenset()),
         refused_actions=frozenset() if allow_slot_actions else slots,
+        session_paths=frozenset(COMPLETION_KINDS),
     )
 
 

@@ -22,7 +22,7 @@ from sidecar.app import build_store
 from sidecar.config import Settings
 from tests.servers import DEFAULT_LLAMA_ARGS, LlamaServer, RedisProc, llama_server, redis_server, smollm2_path
 from tests.sidecars import Sidecar, post, run_sidecar
-from tests.test_sessions_api import TOKEN, call
+from tests.test_sessions_api import AUTH, TOKEN, call
 from tiers.codec import BlobCodec, Flags
 from tiers.keys import Namespace, chunk_key, prefix_chain, session_key, tail_hash_after, tail_key
 from tiers.memory import MemoryTier
@@ -107,7 +107,7 @@ async def test_a_forged_session_chunk_is_deleted_and_counted(pair: Pair) -> None
     a, b = pair.a, pair.b
     sid = "forged-" + uuid.uuid4().hex[:6]
     first = await post(a.url + "/completion", completion("Session forgery. " + DOC[200:1300] + "\nAnswer:"),
-                       headers={"X-Session-Id": sid})
+                       headers={**AUTH, "X-Session-Id": sid})
     assert first.status == 200
     await settle(a)
     status, shown = await call("GET", a.url + f"/v1/sessions/{sid}")
@@ -201,7 +201,7 @@ async def test_a_damaged_manifest_is_reported_skipped_deleted_and_saved_over(pai
     ids = [f"dmg{run}-{i}" for i in range(3)]
     for i, sid in enumerate(ids):
         ans = await post(a.url + "/completion", completion(f"Damage test {i}. " + DOC[i * 50: i * 50 + 300]),
-                         headers={"X-Session-Id": sid})
+                         headers={**AUTH, "X-Session-Id": sid})
         assert ans.status == 200
         await settle(a)
     ns = a.engine.target.namespace
@@ -222,7 +222,7 @@ async def test_a_damaged_manifest_is_reported_skipped_deleted_and_saved_over(pai
     # A request of the session recomputes, and its save writes a good manifest over the damaged one.
     errors = a.metric("kvtier_cache_errors_total", stage="save")
     ans = await post(a.url + "/completion", completion("Damage test 1. " + DOC[50:350] + " More."),
-                     headers={"X-Session-Id": ids[1]})
+                     headers={**AUTH, "X-Session-Id": ids[1]})
     assert ans.status == 200
     await settle(a)
     assert a.metric("kvtier_cache_errors_total", stage="save") == errors
@@ -243,7 +243,7 @@ async def test_a_session_restores_from_the_local_tiers_while_redis_is_down(pair:
     a = pair.a
     sid = "down-" + uuid.uuid4().hex[:6]
     text = "Outage test. " + DOC[300:1100] + "\nQuestion: which box holds 70 coins?\nAnswer:"
-    first = await post(a.url + "/completion", completion(text), headers={"X-Session-Id": sid})
+    first = await post(a.url + "/completion", completion(text), headers={**AUTH, "X-Session-Id": sid})
     assert first.status == 200
     await settle(a)
     other = await post(a.url + "/completion", completion("Something else entirely."))  # the slot forgets it
@@ -252,7 +252,7 @@ async def test_a_session_restores_from_the_local_tiers_while_redis_is_down(pair:
     pair.redis.stop()
     try:
         follow = completion(text + first.content + "\nQuestion: and which holds 77?\nAnswer:")
-        on_a = await post(a.url + "/completion", follow, headers={"X-Session-Id": sid})
+        on_a = await post(a.url + "/completion", follow, headers={**AUTH, "X-Session-Id": sid})
         assert on_a.status == 200
         assert on_a.restored > 0 and on_a.headers["X-KVTier-Restore-Tier"] == "memory", on_a.headers
         assert on_a.prompt_n < int(on_a.headers["X-KVTier-Prompt-Tokens"]) - on_a.restored + 8
@@ -276,7 +276,7 @@ async def test_an_unknown_session_with_redis_down_still_restores_what_the_tiers_
     pair.redis.stop()
     try:
         ans = await post(a.url + "/completion", completion(text + " And 28?"),
-                         headers={"X-Session-Id": "never-" + uuid.uuid4().hex[:6]})
+                         headers={**AUTH, "X-Session-Id": "never-" + uuid.uuid4().hex[:6]})
         assert ans.status == 200
         assert ans.restored > 0 and ans.headers["X-KVTier-Restore-Tier"] == "memory", ans.headers
     finally:

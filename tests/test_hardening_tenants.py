@@ -89,6 +89,40 @@ async def test_a_present_salt_header_names_the_tenant_whatever_the_body_says(nod
     assert infill.status == 403, infill.text
 
 
+# -- 6: a completion that saves a session needs the token ---------------------------------------------------
+
+
+async def test_a_completion_saving_a_session_needs_the_token(node: Node) -> None:
+    """An operator's session (saved by a completion with the token) is not overwritten by a
+    completion that names it without the token: 401, as ``PUT /v1/sessions`` answers."""
+    url = node.sc.url + "/completion"
+    saved = await post(url, {"prompt": "Operator's runbook. " + DOC, "n_predict": 2, "temperature": 0},
+                       headers={**BEARER, "X-Session-Id": "ops-runbook"})
+    assert saved.status == 200, saved.text
+    await node.sc.engine.drain(30)
+
+    async def n_tokens() -> int:
+        async with aiohttp.ClientSession() as s, s.get(node.sc.url + "/v1/sessions/ops-runbook", headers=BEARER) as r:
+            assert r.status == 200, await r.text()
+            return int((await r.json())["n_tokens"])
+
+    held = await n_tokens()
+    assert held > CHUNK * 4
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+        for path in ("/completion", "/v1/chat/completions"):
+            body = {"prompt": "Overwritten.", "messages": [{"role": "user", "content": "Overwritten."}],
+                    "n_predict": 2, "max_tokens": 2}
+            ans = await post(node.sc.url + path, body, headers={**headers, "X-Session-Id": "ops-runbook"})
+            assert ans.status == 401 and ans.body["error"]["code"] == 401, (path, headers, ans.text)
+            assert "X-Session-Id" in ans.body["error"]["message"]
+    await node.sc.engine.drain(30)
+    assert await n_tokens() == held
+    async with aiohttp.ClientSession() as s, s.put(node.sc.url + "/v1/sessions/ops-runbook", json={}) as r:
+        assert r.status == 401  # the sessions API, for comparison
+    plain = await post(url, {"prompt": "No session here.", "n_predict": 2})  # completions stay open (no --auth-all)
+    assert plain.status == 200, plain.text
+
+
 # -- 13: a session request waits for saves in flight once, not twice ----------------------------------------
 
 

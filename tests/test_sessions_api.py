@@ -77,7 +77,7 @@ def chat(question: str, history: list[dict[str, str]] | None = None) -> dict[str
 
 async def test_save_show_list_restore_delete_and_migrate(nodes: Nodes) -> None:
     a, b = nodes.a, nodes.b
-    first = await post(a.url + "/v1/chat/completions", chat("Which city has 26 parks?"), headers={"X-Session-Id": "mig-1"})
+    first = await post(a.url + "/v1/chat/completions", chat("Which city has 26 parks?"), headers={**AUTH, "X-Session-Id": "mig-1"})
     assert first.status == 200
     await a.engine.drain(30)
     status, saved = await call("PUT", a.url + "/v1/sessions/mig-1")
@@ -108,11 +108,11 @@ async def test_save_show_list_restore_delete_and_migrate(nodes: Nodes) -> None:
 async def test_session_header_restores_on_another_node(nodes: Nodes) -> None:
     a, b = nodes.a, nodes.b
     q1 = chat("How many parks has record 5?")
-    r1 = await post(a.url + "/v1/chat/completions", q1, headers={"X-Session-Id": "hop-7"})
+    r1 = await post(a.url + "/v1/chat/completions", q1, headers={**AUTH, "X-Session-Id": "hop-7"})
     assert r1.status == 200
     await a.engine.drain(30)
     history = [{"role": "user", "content": "How many parks has record 5?"}, {"role": "assistant", "content": r1.content}]
-    r2 = await post(b.url + "/v1/chat/completions", chat("And record 6?", history), headers={"X-Session-Id": "hop-7"})
+    r2 = await post(b.url + "/v1/chat/completions", chat("And record 6?", history), headers={**AUTH, "X-Session-Id": "hop-7"})
     assert r2.status == 200
     await b.engine.drain(30)
     status, manifest = await call("GET", a.url + "/v1/sessions/hop-7")
@@ -126,7 +126,7 @@ async def test_session_header_restores_on_another_node(nodes: Nodes) -> None:
     await b.engine.drain(30)
     history += [{"role": "user", "content": "And record 6?"}, {"role": "assistant", "content": r2.content}]
     bad = {**chat("And record 7?", history), "max_tokens": "many"}
-    r3 = await post(b.url + "/v1/chat/completions", bad, headers={"X-Session-Id": "hop-7"})
+    r3 = await post(b.url + "/v1/chat/completions", bad, headers={**AUTH, "X-Session-Id": "hop-7"})
     await b.engine.drain(30)
     _, after = await call("GET", a.url + "/v1/sessions/hop-7")
     assert r3.status == 400 and r3.restored == manifest["n_tokens"], r3.headers
@@ -214,7 +214,7 @@ async def test_auth_all_endpoints(nodes: Nodes) -> None:
 
 async def test_without_redis_sessions_are_node_local(nodes: Nodes) -> None:
     async with run_sidecar(settings(nodes.llama_b, None, "b-local")) as sc:
-        r = await post(sc.url + "/v1/chat/completions", chat("Which city has 0 parks?"), headers={"X-Session-Id": "loc"})
+        r = await post(sc.url + "/v1/chat/completions", chat("Which city has 0 parks?"), headers={**AUTH, "X-Session-Id": "loc"})
         assert r.status == 200
         await sc.engine.drain(30)
         status, listed = await call("GET", sc.url + "/v1/sessions")
@@ -225,7 +225,7 @@ async def test_without_redis_sessions_are_node_local(nodes: Nodes) -> None:
 
 async def test_concurrent_deletes_during_restore(nodes: Nodes) -> None:
     a = nodes.a
-    r = await post(a.url + "/v1/chat/completions", chat("Name a city."), headers={"X-Session-Id": "race-1"})
+    r = await post(a.url + "/v1/chat/completions", chat("Name a city."), headers={**AUTH, "X-Session-Id": "race-1"})
     assert r.status == 200
     await a.engine.drain(30)
     ns = a.engine.target.namespace
