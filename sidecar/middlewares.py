@@ -64,7 +64,9 @@ def canonical_path(path: str) -> str:
 
 def _matches(actions: frozenset[tuple[str, str]], method: str, path: str) -> bool:
     # An action's path names it and everything under it: ("POST", "/slots") is POST /slots/0 too.
+    # HEAD is GET without the body: its headers (Content-Length) tell as much as a GET's.
     method = method.upper()
+    method = "GET" if method == "HEAD" else method
     return any(method == m and (path == p or path.startswith(p + "/")) for m, p in actions)
 
 

@@ -28,7 +28,7 @@ from .config import Settings
 from .forward import may_forward, route_or_none
 from .middlewares import client_gone, json_error, read_body, request_id
 from .prompts import asked_of
-from .tenants import tenant_salt
+from .tenants import several_slots, tenant_salt
 from .upstream import UpstreamError, UpstreamResponse
 
 log = logging.getLogger("kvtier.proxy")
@@ -207,6 +207,9 @@ async def _completion(request: web.Request, kind: str) -> web.StreamResponse:
     except ValueError as exc:
         metrics.requests.labels(kind, "invalid").inc()
         return json_error(400, str(exc))
+    if (several := several_slots(body)) is not None:
+        metrics.requests.labels(kind, "invalid").inc()
+        return json_error(400, several)
     if body.get("cache_prompt") is False:
         metrics.requests.labels(kind, "passthrough").inc()
         return await _pinned_passthrough(request, body, want, salt)

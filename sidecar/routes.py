@@ -21,6 +21,7 @@ from .middlewares import AuthPolicy, Handler, canonical_path, json_error
 from .probes import healthz, metrics_endpoint, readyz
 from .proxy import COMPLETION_KINDS, checked_passthrough, handle_completion, passthrough
 from .sessions_api import delete_session, get_session, list_sessions, restore_session, save_session
+from .slotsview import slots_view
 from .tenants import names_tenant
 
 # open: never needs the bearer token (the probes); admin: needs it whenever one is set (the
@@ -107,6 +108,7 @@ class Relayed:
 # flow and its tenant rules: refused (403) for a request that names a tenant (X-KVTier-Salt).
 LLAMA_SERVER_RULES: tuple[Relayed, ...] = (
     Relayed("POST", "/slots", "slots", "save, restore or erase a slot: another conversation's KV, kvtier's files"),
+    Relayed("GET", "/slots", "admin", "every slot's state (kvtier leaves out what they hold: slotsview.py)"),
     Relayed("POST", "/lora-adapters", "admin", "LoRA scales of every later request"),
     Relayed("POST", "/props", "admin", "default generation settings (with llama-server's --props)"),
     Relayed("POST", "/models", "admin", "router mode: load, unload or add models"),
@@ -189,6 +191,8 @@ async def catch_all(request: web.Request) -> web.StreamResponse:
         return response
     if request.path.startswith(_OWN_PREFIXES):
         return json_error(404, f"{request.path} is not part of the kvtier API")
+    if request.method in ("GET", "HEAD") and canonical_path(request.path) == "/slots":
+        return await slots_view(request)  # without what the slots hold: tenants share them
     if untenanted(request.method, request.path):
         if names_tenant(request.headers):
             return json_error(403, f"{request.method} {request.path} runs outside kvtier's tenant rules "

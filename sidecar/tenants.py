@@ -42,3 +42,19 @@ def names_tenant(headers: CIMultiDictProxy[str]) -> bool:
     """Whether a gateway named the request's tenant (the header is there, even empty)."""
     return SALT_HEADER in headers
 
+
+def several_slots(body: Mapping[str, Any]) -> str | None:
+    """Why a completion would take more slots than the one kvtier gives it, or None.
+
+    With ``n`` (or ``n_cmpl``) above 1, llama-server computes the prompt on the request's slot and
+    copies it into as many other idle slots as it finds, in slot order: another tenant's hot slot,
+    or one kvtier has just taken for another request and is restoring into. Neither can be pinned,
+    so such requests are refused; a client asks for one completion per request instead. (A list of
+    prompts is pinned: llama-server runs each on the request's ``id_slot``, one after the other.)
+    """
+    for key in ("n", "n_cmpl"):
+        value = body.get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and value > 1:
+            return (f"{key}: {value} completions at once would run on slots llama-server picks, other "
+                    "conversations' among them; ask for one completion per request")
+    return None

@@ -148,7 +148,9 @@ async def test_slot_actions_are_refused_and_state_changes_need_the_token(node: N
         async with s.post(node.sc.url + "/lora-adapters", json=[], headers=BEARER) as r:
             assert r.status == 200, await r.text()  # passed on with the token (this server has no adapters)
         async with s.get(node.sc.url + "/slots") as r:
-            assert r.status == 200  # reading is not changing
+            assert r.status == 401  # it lists every tenant's slots (without their prompts: test_hardening_tenants.py)
+        async with s.get(node.sc.url + "/slots", headers=BEARER) as r:
+            assert r.status == 200
     allowed = settings_for(node.llama, node.redis.url, allow_slot_actions=True)
     async with run_sidecar(allowed) as sc, aiohttp.ClientSession() as s:
         async with s.post(f"{sc.url}/slots/1?action=erase") as r:

@@ -15,6 +15,7 @@ import redis
 
 from integrations.kvflow import pending_marks
 from sidecar.config import Settings
+from sidecar.slotsview import SHOWN_FIELDS
 from tests.servers import LlamaServer, RedisProc, llama_server
 from tests.sidecars import Sidecar, post, run_sidecar
 from tiers.pending import PendingMark
@@ -121,6 +122,56 @@ async def test_a_completion_saving_a_session_needs_the_token(node: Node) -> None
         assert r.status == 401  # the sessions API, for comparison
     plain = await post(url, {"prompt": "No session here.", "n_predict": 2})  # completions stay open (no --auth-all)
     assert plain.status == 200, plain.text
+
+
+# -- 7: /slots shows nothing of the prompts; several completions per request are refused --------------------
+
+
+async def test_slots_needs_the_token_and_shows_no_prompt(node: Node) -> None:
+    ans = await post(node.sc.url + "/completion", {"prompt": "Tenant a's plan. " + DOC[:200], "n_predict": 2},
+                     headers={"X-KVTier-Salt": "a"})
+    assert ans.status == 200
+    await node.sc.engine.drain(30)
+    async with aiohttp.ClientSession() as s:
+        for method in ("GET", "HEAD"):
+            async with s.request(method, node.sc.url + "/slots", headers={"X-KVTier-Salt": "b"}) as r:
+                assert r.status == 401, (method, r.status)
+        async with s.get(node.sc.url + "/slots", headers=BEARER) as r:
+            assert r.status == 200
+            text = await r.text()
+            slots = await r.json()
+        async with s.get(node.sc.url + "//slots?fail_on_no_slot=1", headers=BEARER) as r:
+            assert r.status == 200
+            assert await r.json() == slots
+        async with s.get(node.llama.url + "/slots") as r:  # what llama-server itself lists: the prompts' lengths
+            assert "n_prompt_tokens" in await r.text()
+    assert [s["id"] for s in slots] == [0, 1] and all(set(s) <= set(SHOWN_FIELDS) for s in slots), slots
+    assert "n_prompt_tokens" not in text and "n_decoded" not in text
+
+
+async def test_a_request_for_several_completions_cannot_take_another_tenants_slot(node: Node) -> None:
+    """llama-server copies an ``n: 2`` request's prompt into another idle slot it picks itself:
+    tenant a's. Refused (400); a list of prompts is pinned to the one slot kvtier took for b."""
+    url = node.sc.url + "/completion"
+    prompt = "Tenant a's hot notes. " + DOC
+    first = await post(url, {"prompt": prompt, "n_predict": 2, "temperature": 0}, headers={"X-KVTier-Salt": "a"})
+    assert first.status == 200, first.text
+    await node.sc.engine.drain(30)
+    b = {"X-KVTier-Salt": "b"}
+    for path, body in (("/completion", {"prompt": "Hi", "n": 2}), ("/v1/completions", {"prompt": "Hi", "n_cmpl": 2}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "n": 2.0}),
+                       ("/completion", {"prompt": "Hi", "n": 2, "cache_prompt": False})):
+        ans = await post(node.sc.url + path, {**body, "max_tokens": 2}, headers=b)
+        assert ans.status == 400 and ans.body["error"]["code"] == 400, (path, ans.text)
+        await node.sc.engine.drain(30)
+    several = await post(url, {"prompt": ["One, two.", "Three, four."], "n_predict": 2}, headers=b)
+    assert several.status == 200 and len(several.body) == 2, several.text
+    await node.sc.engine.drain(30)
+    again = await post(url, {"prompt": prompt + " Which vault?", "n_predict": 2, "temperature": 0},
+                       headers={"X-KVTier-Salt": "a"})
+    assert again.status == 200 and again.headers["X-KVTier-Slot"] == first.headers["X-KVTier-Slot"]
+    assert again.restored == 0  # its slot was still hot: nothing to restore
+    assert again.body["timings"]["cache_n"] >= first.body["timings"]["prompt_n"] - 1, again.body["timings"]
 
 
 # -- 13: a session request waits for saves in flight once, not twice ----------------------------------------
