@@ -11,6 +11,11 @@ tokenizes each piece between them on its own (``tokenizer_st_partition`` in ``ll
 kvtier makes the same cut and remembers the tokens of each piece, so a new turn costs the
 tokenization of its new messages, not of the whole history (~1.6 us per token on a small CPU).
 
+The remembered pieces are kept per *scope* (kvtier passes the tenant's salt): a text is found
+only among the pieces tokenized for the same scope. Shared, a fast answer would tell one tenant
+that another had sent the same text (a hit costs ~0.2 ms, tokenizing a few thousand characters
+~3 ms), and the time a request takes is something any client measures.
+
 A plain text prompt is a single piece that grows from request to request. For those, a piece that
 shares its start with a remembered one reuses its tokens up to the last word boundary of what
 they share (a space after a non-space, before a letter: byte-level BPE pre-tokenizers always split
@@ -26,6 +31,7 @@ import ctypes
 import logging
 import threading
 from collections import OrderedDict, deque
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -40,6 +46,15 @@ C_SPACE = b" \t\n\v\f\r"  # C isspace(), what llama.cpp strips beside LSTRIP/RST
 
 class VocabUnavailable(RuntimeError):
     """llama-cpp-python is not installed or the model file cannot be loaded."""
+
+
+@dataclass(frozen=True, slots=True)
+class MemoStats:
+    """Bytes of text the piece cache served since the vocabulary was loaded, all scopes together."""
+
+    hit_bytes: int  # pieces found whole
+    extended_bytes: int  # reused from a remembered piece sharing their start
+    tokenized_bytes: int  # given to llama.cpp
 
 
 class Vocab:
@@ -70,8 +85,10 @@ class Vocab:
         self._specials = self._special_tokens() if llama_cpp.llama_vocab_type(self._vocab) == \
             llama_cpp.LLAMA_VOCAB_TYPE_BPE else None
         self._text_len = self._token_text_lengths() if self._specials is not None else None
-        self._bases: OrderedDict[bytes, deque[bytes]] = OrderedDict()  # first bytes -> recent long pieces
-        self._pieces: OrderedDict[bytes, np.ndarray] = OrderedDict()
+        # (scope, first bytes) -> recent long pieces; (scope, piece) -> its tokens
+        self._bases: OrderedDict[tuple[str, bytes], deque[bytes]] = OrderedDict()
+        self._pieces: OrderedDict[tuple[str, bytes], np.ndarray] = OrderedDict()
+        self._hit_bytes = self._extended_bytes = self._tokenized_bytes = 0
         self._cached_bytes = 0
         self._cache_limit = cache_bytes
         self._cache_lock = threading.Lock()
@@ -102,8 +119,11 @@ class Vocab:
             out[tid] = n if n >= 0 else -1  # longer than the buffer: never used as a boundary
         return out
 
-    def tokenize(self, text: str) -> np.ndarray:
+    def tokenize(self, text: str, scope: str = "") -> np.ndarray:
         """Token ids of ``text`` as llama-server tokenizes a prompt (special tokens added and parsed).
+
+        Args:
+            scope: whose pieces may be reused (the tenant): a piece is remembered for its scope only.
 
         Raises UnicodeEncodeError on lone surrogates.
         """
@@ -114,7 +134,7 @@ class Vocab:
         if self.add_bos:
             out.append(np.array([self._bos], np.int32))
         for piece in self._partition(data):
-            out.append(np.array([piece], np.int32) if isinstance(piece, int) else self._piece_tokens(piece))
+            out.append(np.array([piece], np.int32) if isinstance(piece, int) else self._piece_tokens(scope, piece))
         if self.add_eos:
             out.append(np.array([self._eos], np.int32))
         return np.concatenate(out) if out else np.zeros(0, np.int32)
@@ -152,30 +172,33 @@ class Vocab:
             pieces = cut
         return pieces
 
-    def _piece_tokens(self, piece: bytes) -> np.ndarray:
+    def _piece_tokens(self, scope: str, piece: bytes) -> np.ndarray:
+        key = (scope, piece)
         with self._cache_lock:
-            tokens = self._pieces.get(piece)
+            tokens = self._pieces.get(key)
             if tokens is not None:
-                self._pieces.move_to_end(piece)
+                self._pieces.move_to_end(key)
+                self._hit_bytes += len(piece)
                 return tokens
         long = len(piece) >= EXTEND_MIN
-        extended = self._extend(piece) if long else None
+        extended = self._extend(scope, piece) if long else None
         tokens = extended if extended is not None else self._tokenize_bytes(piece, False)
-        if len(piece) <= self._cache_limit // 4:
-            with self._cache_lock:
-                if piece not in self._pieces:
-                    self._pieces[piece] = tokens
-                    self._cached_bytes += len(piece)
-                    if long:
-                        self._remember_base(piece)
-                while self._cached_bytes > self._cache_limit:
-                    old, _ = self._pieces.popitem(last=False)
-                    self._cached_bytes -= len(old)
-                    self._forget_base(old)
+        with self._cache_lock:
+            if extended is None:
+                self._tokenized_bytes += len(piece)
+            if len(piece) <= self._cache_limit // 4 and key not in self._pieces:
+                self._pieces[key] = tokens
+                self._cached_bytes += len(piece)
+                if long:
+                    self._remember_base(scope, piece)
+            while self._cached_bytes > self._cache_limit:
+                (old_scope, old), _ = self._pieces.popitem(last=False)
+                self._cached_bytes -= len(old)
+                self._forget_base(old_scope, old)
         return tokens
 
-    def _remember_base(self, piece: bytes) -> None:
-        head = piece[:HEAD_BYTES]
+    def _remember_base(self, scope: str, piece: bytes) -> None:
+        head = (scope, piece[:HEAD_BYTES])
         bases = self._bases.get(head)
         if bases is None:
             bases = self._bases[head] = deque(maxlen=BASES_PER_HEAD)
@@ -185,19 +208,20 @@ class Vocab:
             self._bases.move_to_end(head)
         bases.append(piece)
 
-    def _forget_base(self, piece: bytes) -> None:
+    def _forget_base(self, scope: str, piece: bytes) -> None:
         """An evicted piece is no start for others (nor kept alive outside the cache's budget)."""
-        bases = self._bases.get(piece[:HEAD_BYTES]) if len(piece) >= EXTEND_MIN else None
+        bases = self._bases.get((scope, piece[:HEAD_BYTES])) if len(piece) >= EXTEND_MIN else None
         if bases is not None and piece in bases:
             bases.remove(piece)
 
-    def _extend(self, piece: bytes) -> np.ndarray | None:
-        """``piece``'s tokens from the remembered piece that shares the longest start with it, or None."""
+    def _extend(self, scope: str, piece: bytes) -> np.ndarray | None:
+        """``piece``'s tokens from the remembered piece of ``scope`` that shares the longest start
+        with it, or None."""
         assert self._text_len is not None
         base, shared, base_tokens = b"", 0, None
         with self._cache_lock:
-            for candidate in self._bases.get(piece[:HEAD_BYTES], ()):
-                tokens = self._pieces.get(candidate)
+            for candidate in self._bases.get((scope, piece[:HEAD_BYTES]), ()):
+                tokens = self._pieces.get((scope, candidate))
                 n = common_prefix(piece, candidate)
                 if tokens is not None and n > shared:
                     base, shared, base_tokens = candidate, n, tokens
@@ -209,7 +233,14 @@ class Vocab:
         at = int(np.searchsorted(ends, cut))
         if ends[-1] != len(base) or at >= ends.size or ends[at] != cut:
             return None  # the tokens' texts do not line up with the piece: tokenize it whole
+        with self._cache_lock:
+            self._extended_bytes += cut
+            self._tokenized_bytes += len(piece) - cut
         return np.concatenate([base_tokens[: at + 1], self._tokenize_bytes(piece[cut:], False)])
+
+    def memo_stats(self) -> MemoStats:
+        with self._cache_lock:
+            return MemoStats(self._hit_bytes, self._extended_bytes, self._tokenized_bytes)
 
     def _tokenize_bytes(self, data: bytes, add_special: bool) -> np.ndarray:
         if self._model is None:

@@ -228,8 +228,12 @@ class PromptTokens:
             return
         self._count_mismatch("render", "the chat template renders a sample differently here than in llama-server")
 
-    async def prompt_for(self, kind: str, body: Mapping[str, Any]) -> Prompt | None:
-        """The request's prompt tokens, or None when it is not cacheable (several prompts, media)."""
+    async def prompt_for(self, kind: str, body: Mapping[str, Any], scope: str = "") -> Prompt | None:
+        """The request's prompt tokens, or None when it is not cacheable (several prompts, media).
+
+        ``scope``: the tenant (its salt). In-process tokenizing reuses only what was tokenized for
+        the same tenant, so how long this takes tells nothing of other tenants' prompts.
+        """
         t0 = time.perf_counter()
         rendered_here = False
         if kind == "chat":
@@ -250,7 +254,7 @@ class PromptTokens:
                 return Prompt(ids)
         if not isinstance(text, str):
             return None
-        tokens = await self._tokenize(text)
+        tokens = await self._tokenize(text, scope)
         tokenized_here = tokens is not None
         if tokens is None:
             tokens = as_token_array(await self.client.tokenize(text))
@@ -270,14 +274,14 @@ class PromptTokens:
             log.debug("chat not rendered here: %s", exc)
             return None
 
-    async def _tokenize(self, text: str) -> np.ndarray | None:
+    async def _tokenize(self, text: str, scope: str) -> np.ndarray | None:
         vocab = self.vocab
         if vocab is None:
             return None
         try:
             if len(text) > THREAD_TOKENIZE_CHARS:
-                return await asyncio.to_thread(vocab.tokenize, text)
-            return vocab.tokenize(text)
+                return await asyncio.to_thread(vocab.tokenize, text, scope)
+            return vocab.tokenize(text, scope)
         except UnicodeEncodeError:  # lone surrogates: llama-server decides what they mean
             return None
         except (VocabUnavailable, RuntimeError) as exc:  # closed (shutting down) or refused: ask the server

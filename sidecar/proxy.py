@@ -219,7 +219,7 @@ async def _completion(request: web.Request, kind: str) -> web.StreamResponse:
         plan = engine.follow_up(body, asked, want_slot=want, salt=salt, since=started)
     if plan is None:
         try:
-            prompt = await engine.prompts.prompt_for(kind, body)
+            prompt = await engine.prompts.prompt_for(kind, body, scope=salt)
         except LlamaServerError as exc:
             log.info("not cacheable (%s); passing through", exc)
             prompt = None

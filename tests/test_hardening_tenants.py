@@ -3,6 +3,9 @@ channels*): what one tenant can learn of, or do to, another's prompts and sessio
 
 from __future__ import annotations
 
+import random
+import statistics
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -50,6 +53,75 @@ async def node(redis_srv: RedisProc, tmp_path_factory: pytest.TempPathFactory) -
             assert await sc.engine.ensure_ready()
             yield Node(sc, llama, redis_srv)
 
+
+def mann_whitney_z(xs: list[float], ys: list[float]) -> float:
+    """The Mann-Whitney U statistic of ``xs`` against ``ys`` as a normal z score (no ties correction):
+    |z| < 2 is what two samples of one distribution give 95% of the time."""
+    u = sum(1.0 if x > y else 0.5 if x == y else 0.0 for x in xs for y in ys)
+    n1, n2 = len(xs), len(ys)
+    return (u - n1 * n2 / 2) / (n1 * n2 * (n1 + n2 + 1) / 12) ** 0.5
+
+
+# -- 4: the in-process tokenizer's memo is per tenant -------------------------------------------------------
+
+
+def _random_text(rng: random.Random, chars: int) -> str:
+    words = []
+    while sum(map(len, words)) + len(words) < chars:
+        words.append("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))))
+    return " ".join(words)[:chars]
+
+
+async def test_a_tenant_cannot_time_its_guess_of_another_tenants_prompt(node: Node) -> None:
+    """Tenant A sends 40 system prompts of 10,000 characters (more tokens than a slot holds, so
+    llama-server refuses them at once and the time is the sidecar's). Tenant B then sends, in turn,
+    32 of them exactly, 32 fresh texts of the same length, and 8 that share A's first 95%. Whatever
+    B can observe (kvtier_prompt_seconds, the request's own latency) is the same for a right and a
+    wrong guess, because B's tokenizing never reuses what was tokenized for A."""
+    prompts = node.sc.engine.prompts
+    assert prompts.render_here and prompts.tokenize_here and prompts.vocab is not None
+    rng = random.Random(4)
+    secrets = [_random_text(rng, 10_000) for _ in range(40)]
+    url = node.sc.url + "/v1/chat/completions"
+
+    def chat(system: str) -> dict[str, Any]:
+        return {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "Summarize."}],
+                "max_tokens": 1}
+
+    for text in secrets:
+        ans = await post(url, chat(text), headers={"X-KVTier-Salt": "tenant-a"})
+        assert ans.status == 400 and "context" in ans.text, ans.text[:300]  # refused by llama-server, after kvtier
+
+    async def guess(text: str) -> tuple[float, float, int]:
+        """kvtier_prompt_seconds of the request, its latency, and the bytes the memo served it."""
+        before_s = node.sc.metric("kvtier_prompt_seconds_sum", way="in_process")
+        before = prompts.vocab.memo_stats()  # type: ignore[union-attr]
+        t0 = time.perf_counter()
+        ans = await post(url, chat(text), headers={"X-KVTier-Salt": "tenant-b"})
+        took = time.perf_counter() - t0
+        after = prompts.vocab.memo_stats()  # type: ignore[union-attr]
+        assert ans.status == 400, ans.text[:300]
+        reused = after.hit_bytes - before.hit_bytes + after.extended_bytes - before.extended_bytes
+        return node.sc.metric("kvtier_prompt_seconds_sum", way="in_process") - before_s, took, reused
+
+    await guess(_random_text(rng, 10_000))  # B's first request: its memo learns the template's short pieces
+    right: list[tuple[float, float, int]] = []
+    wrong: list[tuple[float, float, int]] = []
+    for text in secrets[:32]:
+        right.append(await guess(text))
+        wrong.append(await guess(_random_text(rng, 10_000)))
+    near = [await guess(text[:9_500] + _random_text(rng, 500)) for text in secrets[32:]]
+    # The mechanism: nothing A's requests left in the memo serves B (only the short template pieces B sent itself).
+    assert max(r[2] for r in right + wrong + near) < 100, [r[2] for r in right + near]
+    ratios = {}
+    for i, what in ((0, "kvtier_prompt_seconds"), (1, "latency")):
+        r, w, n = ([x[i] for x in xs] for xs in (right, wrong, near))
+        ratios[what] = (statistics.median(r) / statistics.median(w), statistics.median(n) / statistics.median(w))
+        print(f"{what}: median right {statistics.median(r) * 1e3:.2f} ms, wrong {statistics.median(w) * 1e3:.2f} ms, "
+              f"95% {statistics.median(n) * 1e3:.2f} ms, ratio {ratios[what][0]:.2f}, "
+              f"Mann-Whitney z {mann_whitney_z(r, w):.2f}")
+    # Generous (a busy 2-core machine): a memo hit costs a tenth of a miss or less.
+    assert all(0.5 < ratio < 2 for pair in ratios.values() for ratio in pair), ratios
 
 
 # -- 5: a gateway's header names the tenant, even empty -----------------------------------------------------

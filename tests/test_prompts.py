@@ -138,8 +138,8 @@ async def test_growing_texts_are_tokenized_from_their_start(node: Node) -> None:
     extended = []
     real_extend = vocab._extend
 
-    def counting(piece: bytes) -> np.ndarray | None:
-        out = real_extend(piece)
+    def counting(scope: str, piece: bytes) -> np.ndarray | None:
+        out = real_extend(scope, piece)
         extended.append(out is not None)
         return out
 
@@ -171,8 +171,8 @@ async def test_growing_texts_are_tokenized_from_their_start(node: Node) -> None:
     try:
         for i in range(60):
             vocab.tokenize(f"Conversation {i}: " + " ".join(f"word{j} of {i}" for j in range(80)))
-        starts = [p for bases in vocab._bases.values() for p in bases]
-        assert starts and all(p in vocab._pieces for p in starts) and sum(map(len, starts)) <= 20_000
+        starts = [(scope, p) for (scope, _), bases in vocab._bases.items() for p in bases]
+        assert starts and all(key in vocab._pieces for key in starts) and sum(len(p) for _, p in starts) <= 20_000
     finally:
         vocab.close()
     assert word_boundary(b"abc def", 7) == 3 and word_boundary(b"abc  def", 8) == -1
