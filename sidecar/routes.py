@@ -160,9 +160,9 @@ def allowed_methods(path: str) -> str | None:
 
 def auth_policy(token: str | None, protect_all: bool, *, allow_slot_actions: bool = False) -> AuthPolicy:
     """Which paths need ``token``: the admin routes' (and anything under them), llama-server's
-    state-changing actions, completions that save a session (``X-Session-Id``), every path but
-    the open ones with ``protect_all``; which actions are
-    refused whatever the token (the slot actions, unless ``allow_slot_actions``)."""
+    state-changing actions and slot list, completions that save a session (``X-Session-Id``),
+    every path but the open ones with ``protect_all``; which actions are refused whatever the
+    token (the slot actions, unless ``allow_slot_actions``)."""
     slots = frozenset((r.method, r.path) for r in LLAMA_SERVER_RULES if r.rule == "slots")
     return AuthPolicy(
         token=token,
