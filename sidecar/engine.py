@@ -303,13 +303,10 @@ class KVEngine:
                                  cut: bool = False) -> None:
         lease = plan.lease
         record = lease.table.slots[lease.slot]
-        freed = False
 
         def free() -> None:
             """The slot may serve its next request (once: a next request may take it at once)."""
-            nonlocal freed
-            if not freed:
-                freed = True
+            if not lease.released:
                 record.saving = False
                 record.answered = None
                 lease.release()

@@ -297,7 +297,7 @@ class ServerWatcher:
             infos = await self._check_identity()
         table = self.slots
         if infos is not None and table is not None:
-            await self._sync_slots(table, infos)
+            await sync_slots(self.files, table, infos)
 
     async def _check_identity(self) -> list[dict[str, Any]] | None:
         """Compare llama-server with the identity kvtier learned (the lock held): confirm it, or
@@ -317,51 +317,55 @@ class ServerWatcher:
         self._confirm()
         return infos
 
-    async def _sync_slots(self, table: SlotTable, infos: list[dict[str, Any]]) -> None:
-        lost = 0
-        for info in infos:
-            slot_id = info.get("id")
-            if not isinstance(slot_id, int) or not 0 <= slot_id < table.n_slots:
-                continue
-            slot = table.slots[slot_id]
-            if slot.busy or info.get("is_processing"):
-                continue
-            held = info.get("n_prompt_tokens")
-            # A slot that never ran a task reports no count; one that did and now reports none
-            # was emptied behind kvtier's back.
-            if held is None and not slot.served:
-                continue
-            if not held and slot.tokens.size:
-                table.set_tokens(slot_id, np.zeros(0, np.int32))
-                slot.served = False
-                lost += 1
-            elif held and int(held) != slot.tokens.size and slot.resynced != int(held):
-                # Once per count: should a state's token count ever differ from the server's own
-                # figure, this must not become a slot save every few seconds.
-                slot.resynced = int(held)
-                if await self._resync(table, slot_id):
-                    log.info("slot %d was used without kvtier: it now holds %d tokens", slot_id, int(held))
-        if lost:
-            log.info("%d slot(s) no longer hold what kvtier recorded", lost)
-
-    async def _resync(self, table: SlotTable, slot_id: int) -> bool:
-        """Learn what an idle slot holds from a save of it (its tokens are exact); False when busy."""
-        lease = table.try_acquire(slot_id)
-        if lease is None:
-            return False
-        with lease:
-            try:
-                state = await self.files.save(slot_id, "resync")
-            except (KVTierError, LlamaServerError, OSError) as exc:
-                log.info("slot %d: could not read what it holds (%s); forgetting it", slot_id, exc)
-                table.set_tokens(slot_id, np.zeros(0, np.int32))
-                return False
-            # Still the tenant kvtier last served there (a slot it lost track of after a failure
-            # may hold that tenant's KV): any other tenant's request erases it before use.
-            table.set_tokens(slot_id, state.tokens.tokens.copy())
-            return True
-
 
 _MEMORY_NAMES = {"kv": "one KV cache", "kv_pair": "KV cache + sliding window (restored whole)",
                  "hybrid": "KV cache + recurrent state (restored whole)",
                  "recurrent": "recurrent state alone (restored whole, one tail per state)"}
+
+
+async def sync_slots(files: SlotFiles, table: SlotTable, infos: list[dict[str, Any]]) -> None:
+    """Bring the records of idle slots up to date with llama-server's ``/slots`` (see
+    ``ServerWatcher.check_server``)."""
+    lost = 0
+    for info in infos:
+        slot_id = info.get("id")
+        if not isinstance(slot_id, int) or not 0 <= slot_id < table.n_slots:
+            continue
+        slot = table.slots[slot_id]
+        if slot.busy or info.get("is_processing"):
+            continue
+        held = info.get("n_prompt_tokens")
+        # A slot that never ran a task reports no count; one that did and now reports none
+        # was emptied behind kvtier's back.
+        if held is None and not slot.served:
+            continue
+        if not held and slot.tokens.size:
+            table.set_tokens(slot_id, np.zeros(0, np.int32))
+            slot.served = False
+            lost += 1
+        elif held and int(held) != slot.tokens.size and slot.resynced != int(held):
+            # Once per count: should a state's token count ever differ from the server's own
+            # figure, this must not become a slot save every few seconds.
+            slot.resynced = int(held)
+            if await _resync(files, table, slot_id):
+                log.info("slot %d was used without kvtier: it now holds %d tokens", slot_id, int(held))
+    if lost:
+        log.info("%d slot(s) no longer hold what kvtier recorded", lost)
+
+
+async def _resync(files: SlotFiles, table: SlotTable, slot_id: int) -> bool:
+    """Learn what an idle slot holds from a save of it (its tokens are exact); False when busy."""
+    lease = table.try_acquire(slot_id)
+    if lease is None:
+        return False
+    with lease:
+        try:
+            state = await files.save(slot_id, "resync")
+        except (KVTierError, LlamaServerError, OSError) as exc:
+            log.info("slot %d: could not read what it holds (%s); forgetting it", slot_id, exc)
+            table.set_tokens(slot_id, np.zeros(0, np.int32))
+            return False
+        # Still the tenant kvtier last served there (a slot it lost track of after a failure
+        # may hold that tenant's KV): any other tenant's request erases it before use.
+        table.set_tokens(slot_id, state.tokens.tokens.copy())
+        return True
