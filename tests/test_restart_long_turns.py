@@ -228,6 +228,13 @@ async def test_an_answer_read_to_done_is_saved_when_the_client_leaves_at_once(
         for i in range(n):
             body = {**chat(document(8), [], f"What does shelf {i} hold? Answer in a word."), "stream": True}
             await leave_after_done(sc.url + "/v1/chat/completions", body)
+        # The client is gone before the sidecar has finished with the last request: wait until it
+        # has counted every one (its save is registered with it), then for the saves.
+        deadline = time.monotonic() + 30
+        while sum(sc.metric("kvtier_requests_total", path="chat", outcome=outcome)
+                  for outcome in ("ok", "client_gone", "cancelled", "upstream_error")) < n:
+            assert time.monotonic() < deadline, "the sidecar never finished with a request"
+            await asyncio.sleep(0.05)
         await settle(sc)
         assert sc.metric("kvtier_save_seconds_count") == saves + n
         assert sc.metric("kvtier_cache_errors_total", stage="save") == 0
