@@ -16,7 +16,7 @@ from aiohttp import web
 from sidecar.app import create_app
 from sidecar.appkeys import ENGINE, METRICS, STORE
 from sidecar.config import Settings
-from tests.servers import free_port
+from tests.servers import LlamaServer, RedisProc, free_port
 
 
 @dataclass
@@ -120,3 +120,25 @@ def stream_text(events: list[Any]) -> str:
             else:
                 out.append(e.get("content", ""))
     return "".join(out)
+
+
+@dataclass
+class Node:
+    """One llama-server with its in-process sidecar, and the Valkey they use."""
+
+    sc: Sidecar
+    llama: LlamaServer
+    redis: RedisProc
+
+
+def peak_rss_reset() -> None:
+    """Reset this process's peak resident set size (VmHWM)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_rss() -> int:
+    """This process's peak resident set size since the last reset, in bytes."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024

@@ -10,7 +10,7 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +22,7 @@ from sidecar.config import Settings
 from sidecar.proxy import COMPLETION_KINDS
 from sidecar.routes import LLAMA_SERVER_RULES, ROUTES
 from tests.servers import LlamaServer, RedisProc, llama_server
-from tests.sidecars import Sidecar, post, run_sidecar
+from tests.sidecars import Node, peak_rss, peak_rss_reset, post, run_sidecar
 
 pytestmark = pytest.mark.llama
 
@@ -33,12 +33,6 @@ SHARED = " ".join(f"Record {i}: account {i * 7919 % 1000} holds {i * 13} credits
 PRIVATE = SHARED + "\nPrivate note of tenant A: the vault code is 4711.\nSummary:"
 GUESS = SHARED + "\nPrivate note of tenant A: the vault code is 1234.\nSummary:"
 
-
-@dataclass
-class Node:
-    sc: Sidecar
-    llama: LlamaServer
-    redis: RedisProc
 
 
 def settings_for(llama: LlamaServer, redis_url: str, **kw: Any) -> Settings:
@@ -221,16 +215,6 @@ async def test_clients_that_give_up_leave_the_queue_and_are_counted(node: Node,
 # -- 10: one request, bounded memory ------------------------------------------------------------------------
 
 
-def _peak_rss_reset() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM, the peak resident set size
-
-
-def _peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith("VmHWM:"))
-    return int(line.split()[1]) * 1024
-
 
 async def test_a_huge_prompt_is_refused_before_it_is_tokenized(node: Node) -> None:
     prompt = "word " * (1_600_000)  # 8 MB: ~1.6 M tokens, far past the slots' 2,048
@@ -238,13 +222,13 @@ async def test_a_huge_prompt_is_refused_before_it_is_tokenized(node: Node) -> No
     del prompt
     tokenized = node.sc.metric("kvtier_prompt_seconds_count", way="in_process") + \
         node.sc.metric("kvtier_prompt_seconds_count", way="llama_server")
-    _peak_rss_reset()
-    base = _peak_rss()
+    peak_rss_reset()
+    base = peak_rss()
     t0 = time.monotonic()
     ans = await post(node.sc.url + "/completion", None, raw=raw)
     assert ans.status == 400 and "max_prompt_chars" in ans.body["error"]["message"], ans.text[:300]
     assert time.monotonic() - t0 < 5
-    assert _peak_rss() - base < 8 * len(raw), (_peak_rss() - base) / len(raw)  # a few times its size
+    assert peak_rss() - base < 8 * len(raw), (peak_rss() - base) / len(raw)  # a few times its size
     assert node.sc.metric("kvtier_prompt_seconds_count", way="in_process") + \
         node.sc.metric("kvtier_prompt_seconds_count", way="llama_server") == tokenized
     # The same prompt as chat messages, and a limit set by the operator.

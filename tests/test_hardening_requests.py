@@ -8,7 +8,7 @@ import json
 import logging
 import re
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -19,16 +19,10 @@ import pytest_asyncio
 from sidecar.config import Settings
 from sidecar.proxy import COMPLETION_KINDS
 from tests.servers import LlamaServer, RedisProc, llama_server
-from tests.sidecars import Sidecar, post, run_sidecar
+from tests.sidecars import Node, peak_rss, peak_rss_reset, post, run_sidecar
 
 pytestmark = pytest.mark.llama
 
-
-@dataclass
-class Node:
-    sc: Sidecar
-    llama: LlamaServer
-    redis: RedisProc
 
 
 def settings_for(llama: LlamaServer, redis_url: str, **kw: Any) -> Settings:
@@ -137,32 +131,22 @@ async def test_the_queue_gauge_falls_when_waiting_clients_leave(node: Node) -> N
 # -- 2: a body that is mostly junk values ---------------------------------------------------------------------
 
 
-def _peak_rss_reset() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM, the peak resident set size
-
-
-def _peak_rss() -> int:
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith("VmHWM:"))
-    return int(line.split()[1]) * 1024
-
 
 async def test_a_body_of_junk_values_is_refused_before_it_is_parsed(node: Node) -> None:
     """31 MB, nearly all of it a list of empty objects: parsed, ~750 MB (orjson: 72 bytes each). It is
     refused on its value count, and one request, or four at once, cost kvtier a few times the body."""
     junk = b'{"prompt": "Hello", "n_predict": 1, "junk": [' + b"{}," * 10_333_000 + b'{}]}'
-    _peak_rss_reset()
-    base = _peak_rss()
+    peak_rss_reset()
+    base = peak_rss()
     ans = await post(node.sc.url + "/completion", None, raw=junk)
     assert ans.status == 400 and "max_json_values" in ans.body["error"]["message"], ans.text[:300]
-    one = _peak_rss() - base
-    _peak_rss_reset()
-    base = _peak_rss()
+    one = peak_rss() - base
+    peak_rss_reset()
+    base = peak_rss()
     answers = await asyncio.gather(*(post(node.sc.url + path, None, raw=junk)
                                      for path in ("/completion", "/v1/completions", "/v1/chat/completions",
                                                   "/completion")))
-    four = _peak_rss() - base
+    four = peak_rss() - base
     assert all(a.status == 400 for a in answers), [a.text[:200] for a in answers]
     # The body itself is read whole (aiohttp's buffer and its copy): about twice its size each.
     assert one < 4 * len(junk), one / len(junk)

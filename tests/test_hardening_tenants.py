@@ -7,7 +7,7 @@ import random
 import statistics
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from integrations.kvflow import pending_marks
 from sidecar.config import Settings
 from sidecar.slotsview import SHOWN_FIELDS
 from tests.servers import LlamaServer, RedisProc, llama_server
-from tests.sidecars import Sidecar, post, run_sidecar
+from tests.sidecars import Node, post, run_sidecar
 from tiers.pending import PendingMark
 
 pytestmark = pytest.mark.llama
@@ -32,12 +32,6 @@ CHUNK = 64
 DOC = " ".join(f"Ledger {i}: vault {i * 7919 % 1000} holds {i * 13} bars of {['gold', 'silver'][i % 2]}."
                for i in range(25))
 
-
-@dataclass
-class Node:
-    sc: Sidecar
-    llama: LlamaServer
-    redis: RedisProc
 
 
 def settings_for(llama: LlamaServer, redis_url: str, **kw: Any) -> Settings:
