@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from integrations.chunks import assemble_state, restore_size, split_state, state_pieces, write_pieces
+from integrations.memkind import MemoryKind
 from integrations.statefile import (
     KVCache,
     KVLayer,
@@ -59,7 +60,7 @@ def synthetic_state(n_tokens: int, v_trans: bool, seed: int = 0) -> bytes:
     stream = KVStream(n_tokens, np.arange(n_tokens, dtype="<i4"), np.ones(n_tokens, "<u4"), zeros, None, v_trans,
                       tuple(layers))
     tokens = TokenSection.plain(rng.integers(0, 49152, n_tokens))
-    state = SeqState(3, tokens, "kv", (KVCache((stream,)),), False, memoryview(b""), 0)
+    state = SeqState(3, tokens, MemoryKind.KV, (KVCache((stream,)),), False, memoryview(b""), 0)
     return bytes(write_state(state))
 
 

@@ -46,6 +46,7 @@ import numpy as np
 from tiers.errors import StateFormatError
 from tiers.keys import as_token_array
 
+from .memkind import MemoryKind
 from .statefile import (
     CELL_DTYPE,
     GGSQ_MAGIC,
@@ -222,7 +223,7 @@ def split_state(
         return _split_tail_only(state, chunk_tokens, tail)
     rest: BytesLike = b""
     if state.has_rest:
-        if tail and state.memory_kind == "kv_pair":  # the rest goes into the tail alone: pad it only then
+        if tail and state.memory_kind is MemoryKind.KV_PAIR:  # the rest goes into the tail alone: pad it only then
             state = padded_for_restore(state)
         rest, state = state.rest, state.first_cache
     stream = state.cell_streams()[0]

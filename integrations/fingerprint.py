@@ -27,6 +27,7 @@ from tiers.errors import StateFormatError
 from tiers.keys import Namespace
 
 from .chunks import ChunkInfo, read_chunk_header
+from .memkind import MemoryKind
 from .recurrentstate import RecurrentState
 from .statefile import KVCache, KVStream, LayerLayout, SeqState, StateLayout, ggml_type_name, parse_state
 
@@ -123,10 +124,10 @@ def layout_of(source: SeqState | StateLayout | ChunkInfo | bytes | bytearray | m
     return read_chunk_header(source).layout
 
 
-def memory_identity(model_id: str, memory_kind: str) -> str:
+def memory_identity(model_id: str, memory_kind: MemoryKind) -> str:
     """The model identity a namespace is keyed by: a state with a rest (``kv_pair``, ``hybrid``)
     is another format than a plain cache of the same layers, so it gets its own namespace."""
-    return model_id if memory_kind == "kv" else f"{model_id}|memory={memory_kind}"
+    return model_id if memory_kind is MemoryKind.KV else f"{model_id}|memory={memory_kind.value}"
 
 
 def memory_layout(state: SeqState) -> StateLayout | None:
@@ -140,7 +141,7 @@ def memory_layout(state: SeqState) -> StateLayout | None:
         return StateLayout(tuple(LayerLayout(la.r_type, la.r_row_size, la.s_type, la.s_row_size)
                                  for la in state.recurrent.layers))
     kv = state.first_cache if state.has_rest else state
-    return kv.layout if kv.memory_kind == "kv" else None
+    return kv.layout if kv.memory_kind is MemoryKind.KV else None
 
 
 def layout_fingerprint(
@@ -164,7 +165,7 @@ def layout_fingerprint(
 
 
 def _has_kv_layout(state: SeqState) -> bool:
-    return state.memory_kind in ("kv", "kv_pair")
+    return state.memory_kind in (MemoryKind.KV, MemoryKind.KV_PAIR)
 
 
 # -- inspect --------------------------------------------------------------------------------------

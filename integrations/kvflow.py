@@ -47,6 +47,7 @@ from tiers.sessions import Manifest, SessionError, SessionStore
 from tiers.store import Announce, FetchResult, LookupResult, StoreResult, TailHit, TieredStore
 
 from .chunks import chunks_of, first_cells, read_chunk_header, split_state
+from .memkind import PLAIN_KV, LookupShape
 from .prefixrefs import REF_CHUNK, REF_STEP, REF_TAIL, check_ref, is_ref, prefix_refs
 from .statefile import SeqState
 
@@ -234,22 +235,22 @@ class PrefixFetched:
     tail: TailHit | None  # None when there was none, or it was gone or damaged
 
 
-async def find_prefix(store: TieredStore, namespace: Namespace, tokens: np.ndarray, *,
-                      n_ctx: int = 0, whole: bool = False, tail_only: bool = False) -> PrefixFound:
+async def find_prefix(store: TieredStore, namespace: Namespace, tokens: np.ndarray,
+                      shape: LookupShape = PLAIN_KV) -> PrefixFound:
     """The longest prefix of ``tokens`` the tiers hold, within ``restorable_tokens``.
 
-    ``whole``: the namespace's states have a rest (sliding-window, hybrid memory), so only a
+    ``shape.whole``: the namespace's states have a rest (sliding-window, hybrid memory), so only a
     stored state's end, its tail, makes a prefix usable: when none follows the last chunk found
     (another conversation stored more chunks of the same start), the tails after the chunks before
     it are looked up, from the longest prefix down.
 
-    ``tail_only``: the namespace's states are recurrent memory alone, each stored as one tail of
+    ``shape.tail_only``: the namespace's states are recurrent memory alone, each stored as one tail of
     every token (``SeqState.tail_only``): the longest such tail ``tokens`` starts with. One
     existence check per candidate length, in one call per tier.
     """
-    C = namespace.chunk_tokens
-    limit = restorable_tokens(int(tokens.size), n_ctx)
-    if tail_only:
+    C, whole = namespace.chunk_tokens, shape.whole
+    limit = restorable_tokens(int(tokens.size), shape.n_ctx)
+    if shape.tail_only:
         tail = await store.lookup_tail(namespace, namespace.digest, tokens[:limit])
         return PrefixFound(LookupResult(0, [], []), tail, True,
                            tokens[: tail.n_tokens].copy() if tail is not None else None)

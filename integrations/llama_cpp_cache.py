@@ -30,7 +30,7 @@ padding kvtier adds below a cut window is not needed here, and harmless (masked)
 
 Recurrent-only models (Mamba 2, RWKV) store as on the sidecar too: no chunk, one tail of every
 token whose rest is the whole recurrent state, looked up as the longest stored state the prompt
-continues (``kvflow.find_prefix(tail_only=True)``), in the sidecar's namespace for them (keyed by
+continues (``kvflow.find_prefix`` with ``MemoryKind.RECURRENT``), in the sidecar's namespace for them (keyed by
 the recurrent layers' types and row sizes: ``fingerprint.memory_layout``). Each completion
 stores its whole state (replacing the one this context stored before, when it continues it); a
 prompt that stops inside a stored state, ends with it, or leaves it, is computed from the start:
@@ -82,6 +82,7 @@ from .llama_cpp_state import (
     read_seq_image,
     whole_state_bytes,
 )
+from .memkind import MemoryKind
 from .statefile import SeqState, parse_state
 
 log = logging.getLogger("kvtier.llama_cpp")
@@ -309,8 +310,8 @@ class WindowGuard:
         self.llm = llm
         self.floor = 0  # the fewest tokens of the context a next prompt may reuse (0: no bound)
 
-    def restored(self, n: int, memory_kind: str) -> None:
-        self.floor = n - 1 if memory_kind == "kv_pair" else 0
+    def restored(self, n: int, memory_kind: MemoryKind) -> None:
+        self.floor = n - 1 if memory_kind is MemoryKind.KV_PAIR else 0
 
     def check(self, tokens: np.ndarray) -> None:
         """Reset the ``Llama`` when its next ``generate(tokens)`` would reuse fewer tokens of a
@@ -419,7 +420,7 @@ class KVTierCache(BaseLlamaCache):
         for states with a rest, which chunks alone do not restore, a whole state ``key`` continues."""
         try:
             found = self._find(as_token_array(key))
-            return found.n_tokens > 0 if self.info.has_rest else found.chunks.n_chunks > 0
+            return found.n_tokens > 0 if self.info.memory_kind.has_rest else found.chunks.n_chunks > 0
         except Exception as exc:
             self._failed("lookup", exc)
             return False
@@ -539,8 +540,7 @@ class KVTierCache(BaseLlamaCache):
     # -- internals ------------------------------------------------------------------------------
 
     def _find(self, tokens: np.ndarray) -> kvflow.PrefixFound:
-        return self.store.call(kvflow.find_prefix(self.store.store, self.namespace, tokens, n_ctx=self.info.n_ctx,
-                                                  whole=self.info.has_rest, tail_only=self.info.tail_only),
+        return self.store.call(kvflow.find_prefix(self.store.store, self.namespace, tokens, self.info.shape),
                                self.timeout)
 
     def _fetch_prefix(self, tokens: np.ndarray, have: int) -> kvflow.PrefixFetched | None:
@@ -548,15 +548,13 @@ class KVTierCache(BaseLlamaCache):
         when longer than ``have``."""
         if kvflow.restorable_tokens(int(tokens.size), self.info.n_ctx) <= have:
             return None
-        store, ns, n_ctx, pending = self.store.store, self.namespace, self.info.n_ctx, self.store.pending
-        whole, tail_only = self.info.has_rest, self.info.tail_only
+        store, ns, shape, pending = self.store.store, self.namespace, self.info.shape, self.store.pending
 
         async def lookup_and_fetch() -> kvflow.PrefixFetched | None:
-            found = await kvflow.find_prefix(store, ns, tokens, n_ctx=n_ctx, whole=whole, tail_only=tail_only)
+            found = await kvflow.find_prefix(store, ns, tokens, shape)
             if pending is not None and self.save_wait > 0 and await kvflow.wait_for_pending(
-                    pending, ns, tokens, found, max(found.n_tokens, have), lambda _: self.save_wait, n_ctx=n_ctx):
-                found = await kvflow.find_prefix(store, ns, tokens, n_ctx=n_ctx, whole=whole,  # after a save in flight
-                                                 tail_only=tail_only)
+                    pending, ns, tokens, found, max(found.n_tokens, have), lambda _: self.save_wait, n_ctx=shape.n_ctx):
+                found = await kvflow.find_prefix(store, ns, tokens, shape)  # after a save in flight
             if found.n_tokens <= have:
                 return None
             return await kvflow.fetch_prefix(store, ns, found, promote=True)
@@ -632,11 +630,11 @@ def _state_to_store(llm: Llama, info: ContextInfo, key: np.ndarray, value: Llama
     held = context_tokens(llm)
     if held.size and held.size <= key.size and np.array_equal(held, key[: held.size]):
         tokens, image = held, None
-    elif value is not None and int(value.n_tokens) >= chunk_tokens and not info.has_rest:
+    elif value is not None and int(value.n_tokens) >= chunk_tokens and not info.memory_kind.has_rest:
         tokens, image = as_token_array(np.asarray(value.input_ids[: value.n_tokens])), value
     else:
         return None
-    if tokens.size < chunk_tokens and not info.has_rest:  # a state with a rest is stored as a tail alone
+    if tokens.size < chunk_tokens and not info.memory_kind.has_rest:  # a state with a rest is stored as a tail alone
         return None
     raw = read_seq_image(llm, tokens=tokens) if image is None else image_from_llama_state(image, info.arch_header)
     return tokens, parse_state(raw)

@@ -32,6 +32,7 @@ from tiers.errors import KVTierError, StateFormatError
 from tiers.keys import as_token_array
 
 from .fingerprint import memory_layout
+from .memkind import LookupShape, MemoryKind
 from .statefile import (
     GGSQ_MAGIC,
     GGSQ_VERSION,
@@ -69,20 +70,12 @@ class ContextInfo:
     layout: StateLayout  # what the namespace is keyed by: ``memory_layout``
     n_ctx: int
     split_reason: str | None  # why this model's states cannot be cut into prefix chunks, or None
-    # kv, kv_pair (sliding window), hybrid (KV cache + recurrent state) or recurrent (alone)
-    memory_kind: str = "kv"
+    memory_kind: MemoryKind = MemoryKind.KV
 
     @property
-    def has_rest(self) -> bool:
-        """States carry a rest after the first KV cache, or are one (``SeqState.has_rest``): they
-        are restored whole, never as a shorter prefix."""
-        return self.memory_kind != "kv"
-
-    @property
-    def tail_only(self) -> bool:
-        """Recurrent memory alone: each state is one tail of every token, no chunk
-        (``SeqState.tail_only``)."""
-        return self.memory_kind == "recurrent"
+    def shape(self) -> LookupShape:
+        """How a prompt's prefix is looked up in the tiers for this context."""
+        return LookupShape(self.n_ctx, self.memory_kind)
 
 
 def _api() -> Any:

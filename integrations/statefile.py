@@ -49,6 +49,7 @@ import numpy as np
 
 from tiers.errors import StateFormatError
 
+from .memkind import MemoryKind
 from .recurrentstate import RecurrentState, parse_recurrent, write_recurrent
 from .statereader import CELL_HEAD as _CELL_HEAD
 from .statereader import MAX_LAYERS, StateReader
@@ -210,7 +211,7 @@ class SeqState:
 
     version: int
     tokens: TokenSection
-    memory_kind: str
+    memory_kind: MemoryKind
     caches: tuple[KVCache, ...]
     cell_ext: bool
     memory: memoryview
@@ -257,8 +258,8 @@ class SeqState:
         """Why this state cannot be split into prefix chunks, or None when it can."""
         if self.recurrent is not None:
             return _recurrent_reason(self.recurrent, len(self.caches))
-        if self.memory_kind != "kv":
-            if self.memory_kind == "kv_pair":
+        if self.memory_kind is not MemoryKind.KV:
+            if self.memory_kind is MemoryKind.KV_PAIR:
                 return "two KV caches (sliding-window attention; DSA and MSA models also write two)"
             return f"memory state is not a standard KV cache ({self.opaque_reason})"
         if self.cell_ext:
@@ -292,18 +293,18 @@ class SeqState:
         """Sliding-window, hybrid or recurrent memory: state that holds only the sequence's recent
         past (a window's cells, a recurrent state), the *rest*, after a KV cache with every cell or,
         for recurrent memory (``tail_only``), alone."""
-        return (self.memory_kind in ("kv_pair", "hybrid") and bool(self.caches)) or self.tail_only
+        return (self.memory_kind.has_rest and bool(self.caches)) or self.tail_only
 
     @property
     def tail_only(self) -> bool:
         """Recurrent memory alone (Mamba, RWKV): no K/V per token, so no prefix chunk; the whole
         memory state is the rest, stored as one tail that holds every token."""
-        return self.memory_kind == "recurrent" and self.recurrent is not None
+        return self.memory_kind.tail_only and self.recurrent is not None
 
     @property
     def first_cache(self) -> SeqState:
         """This state with its first KV cache alone (what prefix chunks of it hold)."""
-        return dataclasses.replace(self, memory_kind="kv", caches=self.caches[:1], recurrent=None)
+        return dataclasses.replace(self, memory_kind=MemoryKind.KV, caches=self.caches[:1], recurrent=None)
 
     @property
     def store_reason(self) -> str | None:
@@ -318,7 +319,7 @@ class SeqState:
         reason = self.first_cache.split_reason
         if reason is not None:
             return f"first KV cache: {reason}"
-        if self.memory_kind == "kv_pair":
+        if self.memory_kind is MemoryKind.KV_PAIR:
             window = [int(s.pos.min()) for s in self.caches[1].streams if s.n_cells]
             if not window or min(window) == 0:
                 # Nothing lies below the window to pad (integrations.swa): llama-server recomputes
@@ -407,7 +408,7 @@ def parse_state(data: bytes | bytearray | memoryview | np.ndarray, *, allow_opaq
     except StateFormatError as exc:
         if not allow_opaque:
             raise
-        return SeqState(version, tokens, "opaque", (), False, memory, int(arr.size), str(exc))
+        return SeqState(version, tokens, MemoryKind.OPAQUE, (), False, memory, int(arr.size), str(exc))
     return SeqState(version, tokens, mem.kind, mem.caches, mem.cell_ext, memory, int(arr.size),
                     recurrent=mem.recurrent)
 
@@ -447,10 +448,10 @@ class _Memory:
     recurrent: RecurrentState | None
 
     @property
-    def kind(self) -> str:
+    def kind(self) -> MemoryKind:
         if self.recurrent is not None:
-            return "hybrid" if self.caches else "recurrent"
-        return "kv" if len(self.caches) == 1 else "kv_pair"
+            return MemoryKind.HYBRID if self.caches else MemoryKind.RECURRENT
+        return MemoryKind.KV if len(self.caches) == 1 else MemoryKind.KV_PAIR
 
 
 def _parse_memory(arr: np.ndarray, start: int, end: int) -> _Memory:

@@ -41,6 +41,7 @@ import numpy as np
 
 from tiers.errors import StateFormatError
 
+from .memkind import MemoryKind
 from .statefile import KVCache, KVLayer, KVStream, SeqState, parse_state, write_state
 
 PAD_CELLS = 2  # masked cells added below the window (see the module doc)
@@ -53,7 +54,7 @@ def swa_window(state: SeqState) -> KVStream:
         StateFormatError: the state is not two KV caches, or its window is not one sequence's
             cells at consecutive positions (several streams or sequences, shared cells).
     """
-    if state.memory_kind != "kv_pair":
+    if state.memory_kind is not MemoryKind.KV_PAIR:
         raise StateFormatError(f"not a sliding-window state (memory {state.memory_kind}, expected kv_pair)")
     streams = [s for s in state.caches[1].streams if s.n_cells]
     if len(streams) != 1:

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from integrations.llama_server import LlamaServerClient, LlamaServerError, Timings
+from integrations.memkind import MemoryKind
 from tiers.base import TierRole
 from tiers.errors import KVTierError
 from tiers.events import EventBus
@@ -194,7 +195,7 @@ class KVEngine:
                 self.session_slots[session_id] = lease.slot
             t1 = time.perf_counter()
             await self._restore(plan, target, early)
-            if prompt_end and target.whole and tokens.size - max(plan.restored_tokens, lease.cached_tokens) > 1:
+            if prompt_end and target.memory_kind.has_rest and tokens.size - max(plan.restored_tokens, lease.cached_tokens) > 1:
                 await self.saver.save_prompt_end(table, lease.slot, plan.namespace, tokens, owner=salt)
         except BaseException:
             if lease is not None:
@@ -346,7 +347,7 @@ class KVEngine:
         target = self.watcher.target
         if answer is not None and not self.planner.learn(
                 Timings.from_answer(answer), int(plan.tokens.size), expected, lease.slot, follow_up=plan.follow_up,
-                restored=plan.restored_tokens, layout=target.memory_kind if target is not None else "kv",
+                restored=plan.restored_tokens, layout=target.memory_kind if target is not None else MemoryKind.KV,
                 sharing=plan.sharing):
             self.watcher.doubt()  # a restart it has not noticed yet? Check before the next request
         if not ok and not cut:

@@ -178,8 +178,7 @@ class Forwarder:
         try:
             peers, found = await asyncio.gather(
                 self.fleet.lookup(namespace, tokens[:limit], chain),
-                find_prefix(self.store, namespace, tokens, n_ctx=target.n_ctx_slot, whole=target.whole,
-                            tail_only=target.tail_only))
+                find_prefix(self.store, namespace, tokens, target.shape))
         except KVTierError as exc:
             log.debug("fleet view not read: %s", exc)
             return None, None

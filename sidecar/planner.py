@@ -10,6 +10,7 @@ import numpy as np
 
 from integrations.kvflow import PendingSave, PrefixFound, find_prefix, restorable_tokens, wait_for_pending
 from integrations.llama_server import Timings, prefix_reused
+from integrations.memkind import MemoryKind
 from tiers.base import TierRole
 from tiers.keys import Namespace, common_prefix
 from tiers.pending import PendingSaves
@@ -81,16 +82,14 @@ class RestorePlanner:
         limit = restorable_tokens(int(tokens.size), target.n_ctx_slot)
         # The slot holds every full chunk a restore could bring; a whole state (a rest in its
         # tail) may be shorter than a chunk, so for those only the whole restorable length counts.
-        if (limit if target.whole else limit // C * C) <= cached:
+        if (limit if target.memory_kind.has_rest else limit // C * C) <= cached:
             return None
         found = early.fresh_for(namespace) if early is not None else None
         if found is None:
-            found = await find_prefix(self.store, namespace, tokens, n_ctx=target.n_ctx_slot, whole=target.whole,
-                                      tail_only=target.tail_only)
+            found = await find_prefix(self.store, namespace, tokens, target.shape)
         ended = await self.wait_for_save(namespace, tokens, found, max(found.n_tokens, cached), target, slot, budget)
         if ended is not None:
-            before, found = found.n_tokens, await find_prefix(self.store, namespace, tokens, n_ctx=target.n_ctx_slot,
-                                                              whole=target.whole, tail_only=target.tail_only)
+            before, found = found.n_tokens, await find_prefix(self.store, namespace, tokens, target.shape)
             if ended:
                 self.waited_for(before, found.n_tokens)
         gain = found.n_tokens - cached
@@ -189,7 +188,7 @@ class RestorePlanner:
         return self._decide(gain, {tier: gain * target.bytes_per_token}, slot)
 
     def learn(self, timings: Timings | None, prompt_tokens: int, expected: int, slot: int, *,
-              follow_up: bool = False, restored: int = 0, layout: str = "kv", sharing: int = 0) -> bool:
+              follow_up: bool = False, restored: int = 0, layout: str = MemoryKind.KV, sharing: int = 0) -> bool:
         """Learn from an answer's timings (the prefill rate, begun beside ``sharing`` other
         computing slots); False when llama-server reused less
         than the ``expected`` tokens (the slot held less than kvtier thought, or it threw a restore

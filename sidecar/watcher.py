@@ -36,6 +36,7 @@ import numpy as np
 
 from integrations.fingerprint import layout_fingerprint, memory_identity, memory_layout, model_identity
 from integrations.llama_server import LlamaServerClient, LlamaServerError
+from integrations.memkind import LookupShape, MemoryKind
 from integrations.statefile import SeqState
 from tiers.errors import KVTierError
 from tiers.keys import Namespace
@@ -71,17 +72,12 @@ class Target:
     namespace: Namespace
     bytes_per_token: int
     n_ctx_slot: int
-    # "kv": one KV cache; "kv_pair" (sliding window), "hybrid" (recurrent): a KV cache then a rest,
-    # restored only whole (integrations.chunks); "recurrent": a rest alone, one tail per state
-    memory_kind: str = "kv"
+    memory_kind: MemoryKind = MemoryKind.KV  # what a state holds, and so how it is looked up
 
     @property
-    def whole(self) -> bool:
-        return self.memory_kind != "kv"
-
-    @property
-    def tail_only(self) -> bool:
-        return self.memory_kind == "recurrent"
+    def shape(self) -> LookupShape:
+        """How a prompt's prefix is looked up in the tiers for this server's slots."""
+        return LookupShape(self.n_ctx_slot, self.memory_kind)
 
     def namespace_for(self, salt: str) -> Namespace:
         """The namespace of a tenant (its salt), or the server's own for none."""
@@ -208,7 +204,7 @@ class ServerWatcher:
         v_trans = layout_state.v_trans if not layout_state.tail_only else False  # no V to lay out
         if layout is None or v_trans is None:
             raise LlamaServerError("could not learn the KV layout from a saved slot")
-        memory = layout_state.memory_kind if layout_state.has_rest else "kv"
+        memory = layout_state.memory_kind if layout_state.has_rest else MemoryKind.KV
         # Recurrent memory alone holds no bytes per token: its restores read one fixed-size state.
         bytes_per_token = 0 if layout_state.tail_only else layout.bytes_per_token
         table.note_tasks(await self.client.slots())  # each slot's last task id, this process's
@@ -225,7 +221,7 @@ class ServerWatcher:
         self._confirm()
         log.info("llama-server: %d slots, n_stream %d, v_trans %s, %d bytes/token, memory %s, namespace %s",
                  n_slots, self.target.n_stream, self.target.v_trans, bytes_per_token,
-                 _MEMORY_NAMES.get(memory, memory), ns.id)
+                 memory.label, ns.id)
 
     def _model_id(self, model_path: str, props: Mapping[str, Any]) -> str:
         if self.settings.model_id:
@@ -316,11 +312,6 @@ class ServerWatcher:
             return None
         self._confirm()
         return infos
-
-
-_MEMORY_NAMES = {"kv": "one KV cache", "kv_pair": "KV cache + sliding window (restored whole)",
-                 "hybrid": "KV cache + recurrent state (restored whole)",
-                 "recurrent": "recurrent state alone (restored whole, one tail per state)"}
 
 
 async def sync_slots(files: SlotFiles, table: SlotTable, infos: list[dict[str, Any]]) -> None:

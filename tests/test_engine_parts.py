@@ -16,6 +16,7 @@ import pytest
 from integrations import kvflow, prefixrefs
 from integrations.chunks import assemble_state
 from integrations.llama_server import Timings
+from integrations.memkind import LookupShape, MemoryKind
 from integrations.statefile import parse_state
 from sidecar.config import Settings
 from sidecar.costmodel import CostModel
@@ -34,6 +35,7 @@ from tiers.store import TieredStore
 
 C = 64  # tokens per chunk in these tests
 NS = Namespace("f" * 32, chunk_tokens=C)
+RECURRENT = LookupShape(kind=MemoryKind.RECURRENT)
 
 
 def memory_store() -> TieredStore:
@@ -81,20 +83,20 @@ async def test_a_recurrent_state_is_one_tail_found_only_by_prompts_that_continue
     stored = await kvflow.store_state(store, NS, parse_state(raw))
     assert stored.chunks is None and stored.tail_stored and stored.tail is not None and stored.tail.end == 300
     tokens = np.asarray(lg.tokens + [7, 8, 9], np.int32)
-    found = await kvflow.find_prefix(store, NS, tokens, whole=True, tail_only=True)
+    found = await kvflow.find_prefix(store, NS, tokens, RECURRENT)
     assert found.chunks.n_chunks == 0 and found.tail is not None and found.n_tokens == 300
     got = await kvflow.fetch_prefix(store, NS, found)
     assert got.n_tokens == 300 and bytes(assemble_state(got.payloads, tokens, v_trans=False)) == raw
     # A prompt that leaves saved tokens out, or only repeats them, finds nothing to restore.
     for short in (tokens[:250], tokens[:300]):
-        assert (await kvflow.find_prefix(store, NS, short, whole=True, tail_only=True)).n_tokens == 0
+        assert (await kvflow.find_prefix(store, NS, short, RECURRENT)).n_tokens == 0
     # The next turn's state: its tail continues this one, which is deleted.
     lg2 = logical(310, seed=5)
     lg2.tokens = lg.tokens + [7, 8, 9] + lg2.tokens[303:]
     nxt = await kvflow.store_state(store, NS, parse_state(ref_file(lg2, memory=ref_recurrent(309, seed=1))),
                                    previous=stored.tail, previous_tokens=np.asarray(lg.tokens, np.int32))
     assert nxt.tail_deleted and await store.tiers[0].contains_many([stored.tail.key]) == [False]
-    found = await kvflow.find_prefix(store, NS, np.asarray(lg2.tokens + [1], np.int32), whole=True, tail_only=True)
+    found = await kvflow.find_prefix(store, NS, np.asarray(lg2.tokens + [1], np.int32), RECURRENT)
     assert found.n_tokens == 310
     sessions = SessionStore(store, check=kvflow.content_mismatch)
     manifest = await kvflow.save_session(sessions, NS, "mamba", parse_state(raw), node="a")
@@ -195,7 +197,7 @@ async def test_a_whole_state_shorter_than_a_chunk_is_planned_too() -> None:
     lg = logical(C - 10, seed=7)
     await kvflow.store_state(store, NS, parse_state(ref_file(lg, memory=ref_recurrent(C - 11))))
     tokens = np.asarray(lg.tokens + [1, 2], np.int32)
-    recurrent = Target(1, 1, False, "m", NS, 0, 0, "recurrent")
+    recurrent = Target(1, 1, False, "m", NS, 0, 0, MemoryKind.RECURRENT)
     found = await RestorePlanner(store, CostModel(prefill_tps=50), Metrics()).plan(NS, tokens, 0, recurrent, slot=0)
     assert found is not None and found.n_tokens == C - 10
 

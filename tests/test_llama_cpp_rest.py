@@ -28,6 +28,7 @@ import redis
 from integrations.fingerprint import layout_fingerprint, memory_identity, memory_layout, model_identity
 from integrations.llama_cpp_cache import KVTierCache, restore_session, save_session
 from integrations.llama_cpp_state import load_seq_image, read_seq_image, whole_state_bytes
+from integrations.memkind import MemoryKind
 from integrations.statefile import parse_state
 from integrations.swa import gguf_sliding_window
 from tests.ggufgen import ModelShape, write_random_model
@@ -284,7 +285,7 @@ def test_the_namespace_is_the_sidecars(saved: Saved, b: llama_cpp.Llama) -> None
     function the sidecar keys by (``fingerprint.memory_layout``) for what the fingerprint covers."""
     st = parse_state(saved.image)
     identity = f"{model_identity(saved.model)}|memory={saved.kind}"
-    assert memory_identity(model_identity(saved.model), saved.kind) == identity
+    assert memory_identity(model_identity(saved.model), MemoryKind(saved.kind)) == identity
     layout = memory_layout(st)  # what the sidecar's watcher keys its namespace by
     assert layout is not None
     with cache_of(b, saved) as cache:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from integrations.memkind import MemoryKind
 from integrations.statefile import parse_state, write_state
 from integrations.swa import gguf_sliding_window, pad_swa_window, swa_padding, swa_window
 from tests.ggufgen import ModelShape, write_random_model
@@ -191,7 +192,7 @@ def test_padding_adds_masked_zero_cells_below_the_window(generated: dict[str, An
     padded = parse_state(pad_swa_window(st, WINDOW))
     assert bytes(write_state(padded)) == bytes(pad_swa_window(st, WINDOW))  # a file the parser reads back
     assert np.array_equal(padded.tokens.words, st.tokens.words)
-    full_attention = [dataclasses.replace(x, memory_kind="kv", caches=x.caches[:1]) for x in (st, padded)]
+    full_attention = [dataclasses.replace(x, memory_kind=MemoryKind.KV, caches=x.caches[:1]) for x in (st, padded)]
     assert bytes(write_state(full_attention[0])) == bytes(write_state(full_attention[1]))
     pw = swa_window(padded)
     pos_min = int(window.pos.min())
@@ -220,7 +221,7 @@ def test_a_wrong_window_size_is_refused(generated: dict[str, Any]) -> None:
     with pytest.raises(ValueError):
         pad_swa_window(st, 0)
     with pytest.raises(StateFormatError, match="not a sliding-window state"):
-        pad_swa_window(dataclasses.replace(st, memory_kind="kv", caches=st.caches[:1]), WINDOW)
+        pad_swa_window(dataclasses.replace(st, memory_kind=MemoryKind.KV, caches=st.caches[:1]), WINDOW)
 
 
 def test_generated_padded_restore_is_reused(generated: dict[str, Any], tmp_path: Path) -> None:
