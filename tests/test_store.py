@@ -13,7 +13,7 @@ import redis
 
 from tests.servers import RedisProc, redis_server
 from tiers.base import TierRole, TierStats
-from tiers.codec import HEADER_SIZE, BlobCodec
+from tiers.codec import HEADER_SIZE, BlobCodec, Flags
 from tiers.keys import ChunkHash, Namespace, chunk_key, prefix_chain, sequence_key, whole_key
 from tiers.memory import MemoryTier
 from tiers.redis_tier import RedisTier
@@ -335,18 +335,24 @@ async def test_a_damaged_local_copy_falls_back_to_redis(store: TieredStore, shm_
 
 
 async def test_whole_state_store_and_fetch(store: TieredStore, fresh: TieredStore, redis_srv: RedisProc) -> None:
+    """A whole, unsplit state under the key of its exact token sequence (the format ``purge`` still
+    deletes): stored encoded on one node, read back verified on another, refused once damaged."""
     toks = list(range(700))
     state = bytes(range(256)) * 4096  # 1 MB
-    h = await store.store_whole(NS, toks, state)
-    assert await store.flush(5)
-    assert bytes(await fresh.fetch_whole(NS, toks) or b"") == state
-    assert await fresh.fetch_whole(NS, toks[:-1]) is None
-    r = raw(redis_srv)
+    h = sequence_key(NS, toks)
     key = whole_key(NS, h)
-    assert h == sequence_key(NS, toks) and r.exists(key)
+    await store.put_raw(key, store.codec.encode(state, chunk_hash=h, namespace_id=NS.digest[:8],
+                                                n_tokens=len(toks), flags=Flags.WHOLE))
+    assert await store.flush(5)
+    found = await fresh.read_verified(key, h, NS)
+    assert found is not None and bytes(found.payload) == state and found.tier == "redis"
+    shorter = sequence_key(NS, toks[:-1])
+    assert await fresh.read_verified(whole_key(NS, shorter), shorter, NS) is None
+    r = raw(redis_srv)
+    assert r.exists(key)
     r.setrange(key, HEADER_SIZE, b"\x00\x00\x00")
     other = make_store(redis_srv.url, Path(str(tier(fresh, "shared").path) + "-c"))  # type: ignore[attr-defined]
-    assert await other.fetch_whole(NS, toks) is None
+    assert await other.read_verified(key, h, NS) is None
     assert other.counters.corrupt == 1 and not r.exists(key)
     await other.aclose()
 
@@ -363,7 +369,8 @@ async def test_partial_tails_are_found_by_the_prompts_that_continue_them(
     key_long = await fresh.store_tail(NS, parent, long, b"l" * 100)
     hit = await fresh.lookup_tail(NS, parent, [5, 6, 7, 8, 9, 10, 11, 12])
     assert hit is not None and (hit.n_tokens, hit.key, hit.tier) == (6, key_long, "memory")
-    assert bytes(await fresh.get_verified(hit.key, hit.hash, NS) or b"") == b"l" * 100
+    found = await fresh.read_verified(hit.key, hit.hash, NS)
+    assert found is not None and bytes(found.payload) == b"l" * 100
     # A prompt that continues only the short one, or neither, or after another chunk.
     hit = await fresh.lookup_tail(NS, parent, [5, 6, 7, 99, 9, 10, 11])
     assert hit is not None and (hit.n_tokens, hit.key, hit.tier) == (3, key_short, "redis")
@@ -376,7 +383,7 @@ async def test_partial_tails_are_found_by_the_prompts_that_continue_them(
     await tier(fresh, "memory").delete([key_short])  # type: ignore[attr-defined]
     await tier(fresh, "shared").delete([key_short])  # type: ignore[attr-defined]
     hit = await fresh.lookup_tail(NS, parent, [5, 6, 7, 0])
-    assert hit is not None and await fresh.get_verified(hit.key, hit.hash, NS) is None
+    assert hit is not None and await fresh.read_verified(hit.key, hit.hash, NS) is None
     assert fresh.counters.corrupt == 1 and not raw(redis_srv).exists(key_short)
 
 

@@ -18,11 +18,9 @@ from .keys import (
     Namespace,
     chunk_key,
     prefix_chain,
-    sequence_key,
     tail_hash_after,
     tail_hashes,
     tail_key,
-    whole_key,
 )
 from .reads import Promoter, Verified, VerifiedReader
 from .writebehind import DEFAULT_QUEUE_LIMIT, Announce, WriteBehind
@@ -309,26 +307,9 @@ class TieredStore:
         keys = list(blobs)
         self._writer.submit(keys, lambda i: blobs[keys[i]], announce=announce)
 
-    async def store_whole(self, namespace: Namespace, tokens: Sequence[int], payload: bytes | memoryview) -> bytes:
-        """Store an unsplittable state under the key of its exact token sequence."""
-        h = sequence_key(namespace, tokens)
-        blob = self.codec.encode(payload, chunk_hash=h, namespace_id=namespace.digest[:8],
-                                 n_tokens=len(tokens), flags=Flags.WHOLE)
-        await self.put_raw(whole_key(namespace, h), blob)
-        return h
-
-    async def fetch_whole(self, namespace: Namespace, tokens: Sequence[int]) -> bytes | memoryview | None:
-        """The whole state stored for exactly ``tokens``, or None."""
-        h = sequence_key(namespace, tokens)
-        return await self.get_verified(whole_key(namespace, h), h, namespace)
-
-    async def get_verified(self, key: bytes, value_hash: bytes, namespace: Namespace) -> bytes | memoryview | None:
-        """One value from the fastest tier that holds it intact (damaged copies are deleted)."""
-        found = await self.read_verified(key, value_hash, namespace)
-        return None if found is None else found.payload
-
     async def read_verified(self, key: bytes, value_hash: bytes, namespace: Namespace) -> Verified | None:
-        """``get_verified``, with the tier the value came from."""
+        """One value from the fastest tier that holds it intact (damaged copies are deleted), with
+        the tier it came from; None when no tier does."""
         return (await self._reader.read(self.tiers, {key: value_hash}, namespace.digest[:8])).get(key)
 
     async def matching(self, fetched: FetchResult, check: ContentCheck, chunk_tokens: int) -> FetchResult:
