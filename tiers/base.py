@@ -1,16 +1,21 @@
-"""The tier protocol, per-tier statistics, and size parsing shared by every tier."""
+"""The tier protocol, a call on a tier that never fails its caller, per-tier statistics, and size
+parsing shared by every tier."""
 
 from __future__ import annotations
 
 import enum
+import logging
 import re
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol, Self, runtime_checkable
+from typing import Protocol, Self, TypeVar, runtime_checkable
 
 from .errors import ConfigError
+
+log = logging.getLogger("kvtier.store")
+_T = TypeVar("_T")
 
 
 class TierRole(enum.Enum):
@@ -51,6 +56,15 @@ class Tier(Protocol):
     def stats(self) -> TierStats: ...
 
     async def aclose(self) -> None: ...
+
+
+async def attempt(op: Awaitable[_T], what: str, tier: Tier) -> _T | None:
+    """``await op``, or None once its failure is logged: a failing tier never fails the store."""
+    try:
+        return await op
+    except Exception:
+        log.warning("%s on tier %s failed", what, tier.name, exc_info=True)
+        return None
 
 
 @dataclass(frozen=True, slots=True)

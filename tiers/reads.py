@@ -86,6 +86,13 @@ class VerifiedReader:
         await self.discard(tier, damaged)
         return found
 
+    async def reject(self, tier: Tier, key: bytes, reason: str) -> None:
+        """A value that passed the codec but holds something else than its key names: deleted from
+        ``tier``, where it was read, and counted as the codec's own rejections are."""
+        log.warning("value %s in tier %s does not match its key: %s (deleted)", key.decode(errors="replace"),
+                    tier.name, reason)
+        await self.discard(tier, [key])
+
     async def discard(self, tier: Tier, keys: Sequence[bytes]) -> None:
         """Delete values found damaged in ``tier`` and count them (``corrupt``); left in place they
         would be found, and rejected, by every later read."""

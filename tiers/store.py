@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
 
 import numpy as np
 
-from .base import Tier, TierStats
+from .base import Tier, TierStats, attempt
 from .codec import BlobCodec, Flags
 from .keys import (
     ChunkHash,
@@ -22,29 +20,19 @@ from .keys import (
     tail_hashes,
     tail_key,
 )
+from .presence import first_holders, longest_held
 from .reads import Promoter, Verified, VerifiedReader
 from .writebehind import DEFAULT_QUEUE_LIMIT, Announce, WriteBehind
+from .writethrough import WriteThrough
 
 __all__ = ["DEFAULT_QUEUE_LIMIT", "Announce", "ContentCheck", "FetchResult", "LookupResult", "PayloadSource", "StoreCounters",
            "StoreResult", "TailHit", "TieredStore", "Verified"]
-
-log = logging.getLogger("kvtier.store")
 
 PayloadSource = Callable[[int], bytes | bytearray | memoryview]
 # (payload, expected first position, expected cell count) -> None when the payload holds those
 # cells, else what is wrong: the engine's check that a value holds what its key names (tiers knows
 # bytes, not KV; ``integrations.kvflow.content_mismatch`` is the llama.cpp one).
 ContentCheck = Callable[[bytes | memoryview, int, int], str | None]
-_T = TypeVar("_T")
-
-
-async def _attempt(op: Awaitable[_T], what: str, tier: Tier) -> _T | None:
-    """``await op``, or None once its failure is logged: a failing tier never fails the store."""
-    try:
-        return await op
-    except Exception:
-        log.warning("%s on tier %s failed", what, tier.name, exc_info=True)
-        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +128,7 @@ class TieredStore:
             raise ValueError(f"tier names must be unique, got {names}")
         self.tiers = list(tiers)
         self.codec = codec
-        self._sync = [t for t in self.tiers if not t.write_behind]
+        self._through = WriteThrough([t for t in self.tiers if not t.write_behind])
         self._writer = WriteBehind([t for t in self.tiers if t.write_behind], queue_limit=queue_limit)
         self._reader = VerifiedReader(codec)
         self._promoter = Promoter(self.tiers)
@@ -163,18 +151,8 @@ class TieredStore:
         return await self.lookup_chain(namespace, chain)
 
     async def lookup_chain(self, namespace: Namespace, chain: Sequence[ChunkHash]) -> LookupResult:
-        keys = [chunk_key(namespace, h) for h in chain]
-        holder: list[str | None] = [None] * len(keys)
-        for tier in self.tiers:
-            todo = [i for i, h in enumerate(holder) if h is None]
-            if not todo:
-                break
-            present = await _attempt(tier.contains_many([keys[i] for i in todo]), "lookup", tier)
-            for i, ok in zip(todo, present or ()):
-                if ok:
-                    holder[i] = tier.name
-        n = next((i for i, h in enumerate(holder) if h is None), len(holder))
-        return LookupResult(n * namespace.chunk_tokens, list(chain[:n]), [h for h in holder[:n] if h])
+        holders = await first_holders(self.tiers, [chunk_key(namespace, h) for h in chain])
+        return LookupResult(len(holders) * namespace.chunk_tokens, list(chain[: len(holders)]), holders)
 
     async def fetch(self, namespace: Namespace, chain: Sequence[ChunkHash], *, promote: bool = True) -> FetchResult:
         """Load and verify the chunks of ``chain``, stopping at the first one no tier has intact.
@@ -241,17 +219,7 @@ class TieredStore:
                                              n_tokens=namespace.chunk_tokens, flags=flags)
             return blobs[i]
 
-        written = set()
-        for tier in self._sync:
-            present = await _attempt(tier.contains_many(keys), "contains", tier)
-            missing = [i for i, ok in enumerate(present or ()) if not ok]  # a broken tier is not written to
-            if not missing:
-                continue
-            try:  # blob(i) encodes here: a payload that fails is a failed put, as before the guard
-                await tier.put_many({keys[i]: blob(i) for i in missing})
-                written.update(missing)
-            except Exception:
-                log.warning("put on tier %s failed", tier.name, exc_info=True)
+        written = await self._through.put_missing(keys, blob)
         self._writer.submit(keys, blob, announce=announce)  # encodes only what a background tier lacks
         return StoreResult(len(keys), len(written), sum(len(b) for b in blobs.values()), time.perf_counter() - t0)
 
@@ -266,13 +234,11 @@ class TieredStore:
         if not hashes:
             return None
         keys = [tail_key(namespace, h) for h in hashes]
-        best: TailHit | None = None
-        for tier in self.tiers:
-            present = await _attempt(tier.contains_many(keys), "tail lookup", tier) or [False] * len(keys)
-            t = next((i + 1 for i in range(len(keys) - 1, -1, -1) if present[i]), 0)
-            if t and (best is None or t > best.n_tokens):
-                best = TailHit(t, hashes[t - 1], keys[t - 1], tier.name)
-        return best
+        found = await longest_held(self.tiers, keys)
+        if found is None:
+            return None
+        n, tier = found
+        return TailHit(n, hashes[n - 1], keys[n - 1], tier)
 
     async def store_tail(self, namespace: Namespace, parent: bytes, tokens: Sequence[int] | np.ndarray,
                          payload: bytes | bytearray | memoryview, *, announce: Announce | None = None) -> bytes:
@@ -302,8 +268,7 @@ class TieredStore:
 
     async def put_raw_many(self, blobs: Mapping[bytes, bytes], *, announce: Announce | None = None) -> None:
         """Write already encoded values to every tier (sync tiers now, background queued)."""
-        for tier in self._sync:
-            await _attempt(tier.put_many(blobs), "put", tier)
+        await self._through.put_many(blobs)
         keys = list(blobs)
         self._writer.submit(keys, lambda i: blobs[keys[i]], announce=announce)
 
@@ -326,9 +291,7 @@ class TieredStore:
         """A value that passed the codec but does not hold what its key names (another chunk's
         cells under this chunk's key): deleted from ``tier``, where it was read, and counted as
         damaged (``counters.corrupt``), as the codec's own rejections are."""
-        log.warning("value %s in tier %s does not match its key: %s (deleted)", key.decode(errors="replace"),
-                    tier, reason)
-        await self._reader.discard(next(t for t in self.tiers if t.name == tier), [key])
+        await self._reader.reject(next(t for t in self.tiers if t.name == tier), key, reason)
 
     async def prefetch(self, keys: Sequence[bytes]) -> int:
         """Copy values that only the background tiers hold into the synchronous ones (pre-warming).
@@ -339,21 +302,13 @@ class TieredStore:
 
     async def delete_everywhere(self, keys: Sequence[bytes]) -> None:
         for tier in self.tiers:
-            await _attempt(tier.delete(keys), "delete", tier)
+            await attempt(tier.delete(keys), "delete", tier)
 
     async def purge_local(self, *, prefix: bytes | None = None, keys: Sequence[bytes] = ()) -> int:
         """Delete from this node's tiers (RAM, the shared directory; not the background ones)
         every value under ``prefix`` and the values of ``keys``; returns how many were deleted.
         Writes still queued for the background tiers are not dropped: ``flush`` first."""
-        removed = 0
-        for tier in self._sync:
-            if prefix is not None:
-                delete_prefix = getattr(tier, "delete_prefix", None)  # memory and shared tiers have it
-                if delete_prefix is not None:
-                    removed += await _attempt(delete_prefix(prefix), "purge", tier) or 0
-            if keys:
-                removed += await _attempt(tier.delete(keys), "purge", tier) or 0
-        return removed
+        return await self._through.purge(prefix, keys)
 
     async def flush(self, timeout: float | None = None) -> bool:
         """Wait until the background queue is empty; False if ``timeout`` ran out first."""
@@ -362,10 +317,7 @@ class TieredStore:
     async def written(self, timeout: float | None = None) -> bool:
         """Wait until every background write queued so far is done (not those queued after);
         True when all of them reached every background tier in time."""
-        try:
-            return await asyncio.wait_for(self._writer.barrier(), timeout)
-        except TimeoutError:
-            return False
+        return await self._writer.written(timeout)
 
     # -- stats and lifecycle --------------------------------------------------------------------
 
@@ -376,4 +328,4 @@ class TieredStore:
         """Drain pending background writes (bounded by ``drain_timeout``), then close the tiers."""
         await self._writer.aclose(drain_timeout)
         for tier in self.tiers:
-            await _attempt(tier.aclose(), "close", tier)
+            await attempt(tier.aclose(), "close", tier)

@@ -83,6 +83,14 @@ class WriteBehind:
         self._enqueue(_Job([], lambda i: b"", done=done, failures_before=self.errors + self.dropped))
         return done
 
+    async def written(self, timeout: float | None = None) -> bool:
+        """Wait for a ``barrier`` queued now; False when one of the jobs before it failed or was
+        dropped, or ``timeout`` ran out first."""
+        try:
+            return await asyncio.wait_for(self.barrier(), timeout)
+        except TimeoutError:
+            return False
+
     def _enqueue(self, job: _Job) -> None:
         if len(self._queue) >= self._queue_limit:
             dropped = self._queue.popleft()
