@@ -17,6 +17,7 @@ typo is caught at start-up rather than silently ignored.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 from urllib.parse import parse_qsl, unquote, unquote_plus, urlsplit
@@ -77,15 +78,37 @@ def parse_redis_url(url: str) -> RedisTarget:
         ConfigError: unknown scheme, missing host or master name, bad port or db, unknown option.
             The message quotes the URL with its password redacted.
     """
+    parts = _split(url)
+    return _TARGET_BUILDERS[parts.mode](parts)
+
+
+@dataclass(frozen=True, slots=True)
+class _UrlParts:
+    """The pieces every form of URL has, checked: what is left is for the mode to read."""
+
+    scheme: str  # lower case
+    mode: Mode
+    tls: bool
+    default_port: int
+    hostinfo: str  # what follows the userinfo: host[:port][,host[:port]...]
+    path: str
+    username: str | None
+    password: str | None = field(repr=False)
+    options: dict[str, str]  # the query, known options only
+    shown: str  # the URL as error messages quote it: redacted
+
+    @property
+    def tls_options(self) -> tuple[tuple[str, str], ...]:
+        return tuple(sorted((k, v) for k, v in self.options.items() if k in _TLS_OPTIONS))
+
+
+def _split(url: str) -> _UrlParts:
+    """The scheme, credentials, hosts, path and options of ``url``, checked as far as every mode
+    shares them."""
     if not isinstance(url, str) or not url.strip():
         raise ConfigError("redis url must be a non-empty string such as redis://host:6379/0")
     shown = redacted_url(url)
-    scheme, sep, _ = url.partition("://")
-    if not sep:
-        raise ConfigError(f"redis url {shown!r} has no scheme; expected one of {', '.join(scheme_names())}")
-    scheme = scheme.lower()
-    if scheme not in _SCHEMES:
-        raise ConfigError(f"unknown redis url scheme {scheme!r} in {shown!r}; expected one of {', '.join(scheme_names())}")
+    scheme = _scheme(url, shown)
     mode, tls, default_port = _SCHEMES[scheme]
     try:
         parts = urlsplit(url)
@@ -93,19 +116,34 @@ def parse_redis_url(url: str) -> RedisTarget:
         raise ConfigError(f"malformed redis url {shown!r}: {exc}") from None
     if parts.fragment:
         raise ConfigError(f"redis url {shown!r} must not have a #fragment")
-    netloc = parts.netloc
-    if "@" in url.partition("://")[2].removeprefix(netloc):
+    if "@" in url.partition("://")[2].removeprefix(parts.netloc):
         # A password with an unencoded / ? # or @ leaves an '@' behind the host, and pieces of the
         # password would be quoted as a host, port, db or option below.
         raise ConfigError(f"malformed redis url {shown!r}: an '@' after the host; percent-encode "
                           "/ ? # @ in the user name and password (and @ as %40 elsewhere)")
-    userinfo, at, hostinfo = netloc.rpartition("@")
+    userinfo, at, hostinfo = parts.netloc.rpartition("@")
     username = password = None
     if at:
         user, colon, pw = userinfo.partition(":")
         username = unquote(user) or None
         password = unquote(pw) if colon else None  # as redis-py: redis://:secret@host for a password
-    options = _parse_query(parts.query, shown)
+    options = _checked_options(parts.query, mode, tls, shown)
+    return _UrlParts(scheme, mode, tls, default_port, hostinfo, parts.path, username, password, options, shown)
+
+
+def _scheme(url: str, shown: str) -> str:
+    scheme, sep, _ = url.partition("://")
+    if not sep:
+        raise ConfigError(f"redis url {shown!r} has no scheme; expected one of {', '.join(scheme_names())}")
+    scheme = scheme.lower()
+    if scheme not in _SCHEMES:
+        raise ConfigError(f"unknown redis url scheme {scheme!r} in {shown!r}; expected one of {', '.join(scheme_names())}")
+    return scheme
+
+
+def _checked_options(query: str, mode: Mode, tls: bool, shown: str) -> dict[str, str]:
+    """The query's options, refused when unknown or meant for another mode."""
+    options = _parse_query(query, shown)
     unknown = set(options) - _OPTIONS
     if unknown:
         raise ConfigError(f"unknown option(s) {', '.join(sorted(unknown))} in redis url {shown!r}")
@@ -113,47 +151,69 @@ def parse_redis_url(url: str) -> RedisTarget:
         raise ConfigError(f"TLS options given for a non-TLS url {shown!r}; use a rediss:// scheme")
     if options.get("ssl_cert_reqs", "required").lower() not in ("none", "optional", "required"):
         raise ConfigError(f"ssl_cert_reqs must be none, optional or required in {shown!r}")
-    tls_options = tuple(sorted((k, v) for k, v in options.items() if k in _TLS_OPTIONS))
-    sentinel_password = options.get("sentinel_password")
-    if sentinel_password is not None and mode != "sentinel":
+    if "sentinel_password" in options and mode != "sentinel":
         raise ConfigError(f"sentinel_password only applies to redis+sentinel urls, not {shown!r}")
-    path = parts.path
+    return options
 
-    if mode == "unix":
-        if hostinfo:
-            raise ConfigError(f"unix url {shown!r} must not name a host; write unix:///path/to/redis.sock")
-        if not path or path == "/":
-            raise ConfigError(f"unix url {shown!r} has no socket path")
-        db = _parse_db(options.get("db", "0"), shown)
-        return RedisTarget("unix", (), unquote(path), db, False, None, username, password)
-    if "db" in options:
-        raise ConfigError(f"put the db in the path (redis://host/1), not in the query, in {shown!r}")
 
-    hosts = _parse_hosts(hostinfo, default_port, shown)
-    segments = [s for s in path.split("/") if s] if path else []
-    if mode == "standalone":
-        if len(hosts) != 1:
-            raise ConfigError(f"{scheme}:// takes one host, got {len(hosts)} in {shown!r}; "
-                              "use redis+cluster:// or redis+sentinel:// for several")
-        if len(segments) > 1:
-            raise ConfigError(f"unexpected path in redis url {shown!r}; expected /db")
-        db = _parse_db(segments[0], shown) if segments else 0
-        return RedisTarget("standalone", hosts, None, db, tls, None, username, password, None, tls_options)
-    if mode == "sentinel":
-        if not segments:
-            raise ConfigError(f"sentinel url {shown!r} lacks the master name: redis+sentinel://h1:26379/mymaster")
-        if len(segments) > 2:
-            raise ConfigError(f"unexpected path in sentinel url {shown!r}; expected /master[/db]")
-        service = unquote(segments[0])
-        if not _SERVICE_RE.match(service):
-            raise ConfigError(f"bad sentinel master name {service!r} in {shown!r}")
-        db = _parse_db(segments[1], shown) if len(segments) == 2 else 0
-        return RedisTarget("sentinel", hosts, None, db, tls, service, username, password, sentinel_password,
-                           tls_options)
-    # cluster
+def _unix_target(p: _UrlParts) -> RedisTarget:
+    if p.hostinfo:
+        raise ConfigError(f"unix url {p.shown!r} must not name a host; write unix:///path/to/redis.sock")
+    if not p.path or p.path == "/":
+        raise ConfigError(f"unix url {p.shown!r} has no socket path")
+    db = _parse_db(p.options.get("db", "0"), p.shown)
+    return RedisTarget("unix", unix_path=unquote(p.path), db=db, username=p.username, password=p.password)
+
+
+def _hosts_and_path(p: _UrlParts) -> tuple[tuple[tuple[str, int], ...], list[str]]:
+    """A network URL's hosts, and its path's segments (the db, or the master name and db)."""
+    if "db" in p.options:
+        raise ConfigError(f"put the db in the path (redis://host/1), not in the query, in {p.shown!r}")
+    hosts = _parse_hosts(p.hostinfo, p.default_port, p.shown)
+    return hosts, [s for s in p.path.split("/") if s] if p.path else []
+
+
+def _standalone_target(p: _UrlParts) -> RedisTarget:
+    hosts, segments = _hosts_and_path(p)
+    if len(hosts) != 1:
+        raise ConfigError(f"{p.scheme}:// takes one host, got {len(hosts)} in {p.shown!r}; "
+                          "use redis+cluster:// or redis+sentinel:// for several")
+    if len(segments) > 1:
+        raise ConfigError(f"unexpected path in redis url {p.shown!r}; expected /db")
+    db = _parse_db(segments[0], p.shown) if segments else 0
+    return RedisTarget("standalone", hosts, db=db, tls=p.tls, username=p.username, password=p.password,
+                       tls_options=p.tls_options)
+
+
+def _sentinel_target(p: _UrlParts) -> RedisTarget:
+    hosts, segments = _hosts_and_path(p)
+    if not segments:
+        raise ConfigError(f"sentinel url {p.shown!r} lacks the master name: redis+sentinel://h1:26379/mymaster")
+    if len(segments) > 2:
+        raise ConfigError(f"unexpected path in sentinel url {p.shown!r}; expected /master[/db]")
+    service = unquote(segments[0])
+    if not _SERVICE_RE.match(service):
+        raise ConfigError(f"bad sentinel master name {service!r} in {p.shown!r}")
+    db = _parse_db(segments[1], p.shown) if len(segments) == 2 else 0
+    return RedisTarget("sentinel", hosts, db=db, tls=p.tls, service_name=service, username=p.username,
+                       password=p.password, sentinel_password=p.options.get("sentinel_password"),
+                       tls_options=p.tls_options)
+
+
+def _cluster_target(p: _UrlParts) -> RedisTarget:
+    hosts, segments = _hosts_and_path(p)
     if segments and segments != ["0"]:
-        raise ConfigError(f"Redis Cluster has only db 0; unexpected path in {shown!r}")
-    return RedisTarget("cluster", hosts, None, 0, tls, None, username, password, None, tls_options)
+        raise ConfigError(f"Redis Cluster has only db 0; unexpected path in {p.shown!r}")
+    return RedisTarget("cluster", hosts, tls=p.tls, username=p.username, password=p.password,
+                       tls_options=p.tls_options)
+
+
+_TARGET_BUILDERS: dict[Mode, Callable[[_UrlParts], RedisTarget]] = {
+    "standalone": _standalone_target,
+    "sentinel": _sentinel_target,
+    "cluster": _cluster_target,
+    "unix": _unix_target,
+}
 
 
 def _parse_query(query: str, shown: str) -> dict[str, str]:
