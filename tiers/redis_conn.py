@@ -1,11 +1,12 @@
 """RedisConnection: one Redis or Valkey (one server, Sentinel, or Cluster), shared by the chunk tier,
 the manifest store and the event bus.
 
-It owns the redis-py asyncio client, its ``Retry`` and the circuit breaker in front of it: every call
-goes through ``run``, bounded by socket timeouts and retried by redis-py, and while the server is
-unreachable the breaker answers at once, so a dead Redis costs a request nothing but the cache. Its
-users (``RedisTier``, ``RedisManifests``, ``EventBus``) hold the same connection: one pool, one
-breaker, one count of failed calls.
+It owns the redis-py asyncio client (built from ``ClientOptions``, one factory per mode, in
+``tiers.redis_clients``) and the circuit breaker in front of it: every call goes through ``run``,
+bounded by socket timeouts and retried by redis-py, and while the server is unreachable the breaker
+answers at once, so a dead Redis costs a request nothing but the cache. Its users (``RedisTier``,
+``RedisManifests``, ``EventBus``) hold the same connection: one pool, one breaker, one count of
+failed calls.
 """
 
 from __future__ import annotations
@@ -21,30 +22,32 @@ from typing import Any, TypedDict, TypeVar
 import redis.asyncio as aioredis
 import redis.exceptions as rex
 from redis.asyncio.client import Pipeline
-from redis.asyncio.cluster import ClusterNode, ClusterPipeline, RedisCluster
-from redis.asyncio.retry import Retry
-from redis.asyncio.sentinel import Sentinel
-from redis.backoff import ExponentialWithJitterBackoff
+from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 
 from .breaker import BreakerState, BreakerStats, CircuitBreaker
-from .errors import ConfigError, KVTierError, TierUnavailable
-from .redis_urls import RedisTarget, parse_redis_url, redacted_url
+from .errors import KVTierError, TierUnavailable
+from .redis_clients import (
+    DEFAULT_BACKOFF_BASE,
+    DEFAULT_BACKOFF_CAP,
+    DEFAULT_CONNECT_TIMEOUT,
+    DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_READ_SIZE,
+    DEFAULT_RETRIES,
+    DEFAULT_SOCKET_TIMEOUT,
+    ClientOptions,
+    RedisClient,
+    build_clients,
+    positive_seconds,
+)
+from .redis_urls import RedisTarget, redacted_url
 
 log = logging.getLogger("kvtier.redis")
 T = TypeVar("T")
 
-# Defaults, with units. Timeouts bound every socket operation; the worst case of one call is about
-# (retries + 1) * timeout + backoff, after which the breaker takes over.
-DEFAULT_SOCKET_TIMEOUT = 2.0  # s, one read or write on an open connection
-DEFAULT_CONNECT_TIMEOUT = 1.0  # s, TCP/TLS connect
-DEFAULT_RETRIES = 2  # retries after the first attempt, connection errors and timeouts only
-DEFAULT_BACKOFF_BASE = 0.02  # s, first retry delay (exponential with full jitter)
-DEFAULT_BACKOFF_CAP = 0.5  # s, longest retry delay
+# The breaker's defaults, with units (the client's are in ``tiers.redis_clients``).
 DEFAULT_BREAKER_FAILURES = 3  # consecutive failed calls that open the breaker
 DEFAULT_BREAKER_RESET = 5.0  # s, first open window; doubles after each failed probe
 DEFAULT_BREAKER_MAX_RESET = 60.0  # s, longest open window
-DEFAULT_MAX_CONNECTIONS = 64  # per server (per node in cluster mode)
-DEFAULT_READ_SIZE = 1 << 20  # bytes per socket read: large blobs parse in far fewer hiredis calls
 
 # The server is unreachable or misbehaving as a whole: these feed the breaker. A ResponseError is an
 # answer (the server works), so it is counted but does not.
@@ -53,7 +56,6 @@ UNAVAILABLE: tuple[type[BaseException], ...] = (
     OSError, asyncio.TimeoutError,
 )
 
-RedisClient = aioredis.Redis | RedisCluster
 AnyPipeline = Pipeline | ClusterPipeline
 
 
@@ -75,29 +77,10 @@ class RedisOptions(TypedDict, total=False):
     clock: Callable[[], float]
 
 
-def positive_seconds(name: str, value: object, *, allow_none: bool = False) -> float | None:
-    """``value`` as positive seconds (None passes when ``allow_none``).
-
-    Raises:
-        ConfigError: not a finite positive number.
-    """
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"redis {name} must be a positive number of seconds, got {value!r}")
-    return float(value)
-
-
 def ttl_seconds(ttl: object) -> int | None:
     """A TTL setting (seconds or None) as the whole seconds of ``SET EX`` (at least 1)."""
     ttl_s = positive_seconds("ttl", ttl, allow_none=True)
     return None if ttl_s is None else max(1, math.ceil(ttl_s))
-
-
-def _count(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"redis {name} must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 class RedisConnection:
@@ -136,55 +119,22 @@ class RedisConnection:
         socket_read_size: int = DEFAULT_READ_SIZE,
         clock: Callable[[], float] = time.monotonic,
     ):
-        self.target: RedisTarget = parse_redis_url(url)
+        self.options = ClientOptions.from_url(
+            url, username=username, password=password, socket_timeout=socket_timeout,
+            connect_timeout=connect_timeout, retries=retries, backoff_base=backoff_base, backoff_cap=backoff_cap,
+            max_connections=max_connections, socket_read_size=socket_read_size,
+        )
+        self.target: RedisTarget = self.options.target
         self.url = redacted_url(url)  # only the redacted form is kept
-        timeout = positive_seconds("socket_timeout", socket_timeout)
-        connect = positive_seconds("connect_timeout", connect_timeout)
-        base = positive_seconds("backoff_base", backoff_base)
-        cap = positive_seconds("backoff_cap", backoff_cap)
-        assert base is not None and cap is not None
-        if cap < base:
-            raise ConfigError("redis backoff_cap must be >= backoff_base")
-        retries = _count("retries", retries, 0)
-        max_connections = _count("max_connections", max_connections, 1)
-        socket_read_size = _count("socket_read_size", socket_read_size, 4096)
         self.breaker = CircuitBreaker(breaker_failures, breaker_reset, breaker_max_reset, clock)
         self._errors = 0
         self._probe: asyncio.Task[None] | None = None  # the background probe while the breaker is open
         self._closing = asyncio.Event()
         self._closed = False
-        t = self.target
-        user = username if username is not None else t.username
-        secret = password if password is not None else t.password
-        self._conn_kwargs: dict[str, Any] = dict(
-            username=user, password=secret, socket_timeout=timeout, socket_connect_timeout=connect,
-            retry=Retry(ExponentialWithJitterBackoff(cap=cap, base=base), retries),
-            socket_read_size=socket_read_size, **t.ssl_kwargs(),
-        )
-        self._sentinel: Sentinel | None = None
-        self.client: RedisClient
-        if t.mode == "standalone":
-            host, port = t.hosts[0]
-            self.client = aioredis.Redis(host=host, port=port, db=t.db, max_connections=max_connections,
-                                         **self._conn_kwargs)
-        elif t.mode == "unix":
-            self._conn_kwargs = {k: v for k, v in self._conn_kwargs.items() if not k.startswith("ssl")}
-            self.client = aioredis.Redis(unix_socket_path=t.unix_path, db=t.db, max_connections=max_connections,
-                                         **self._conn_kwargs)
-        elif t.mode == "sentinel":
-            # Sentinels get no credentials unless sentinel_password is given (redis-py's convention:
-            # Sentinels often run without auth, and AUTH against one without a password fails).
-            sentinel_kwargs: dict[str, Any] = dict(socket_timeout=timeout, socket_connect_timeout=connect,
-                                                   **t.ssl_kwargs())
-            if t.sentinel_password is not None:
-                sentinel_kwargs.update(username=user, password=t.sentinel_password)
-            self._sentinel = Sentinel(  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
-                list(t.hosts), sentinel_kwargs=sentinel_kwargs, **self._conn_kwargs)
-            assert t.service_name is not None
-            self.client = self._sentinel.master_for(t.service_name, db=t.db, max_connections=max_connections)
-        else:
-            nodes = [ClusterNode(h, p) for h, p in t.hosts]
-            self.client = RedisCluster(startup_nodes=nodes, max_connections=max_connections, **self._conn_kwargs)
+        clients = build_clients(self.options)
+        self.client: RedisClient = clients.client
+        self._conn_kwargs = clients.connection_kwargs
+        self._sentinel = clients.sentinel
 
     def __repr__(self) -> str:
         return f"RedisConnection(url={self.url!r}, mode={self.target.mode})"
