@@ -11,7 +11,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from bench import capacity, hop, llama_cpp_python, overhead, report, state, tiers
+from bench import capacity, hop, llama_cpp_python, neverworse, overhead, report, state, tiers
 
 BENCHMARKS: dict[str, Callable[[list[str]], int | None]] = {
     "tiers": tiers.main,
@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, Callable[[list[str]], int | None]] = {
     "llama-cpp-python": llama_cpp_python.main,
     "report": report.main,
     "capacity": capacity.main,
+    "neverworse": neverworse.main,
 }
 USAGE = f"usage: python -m bench NAME [options]\n\nNAME: {', '.join(BENCHMARKS)}"
 

@@ -1,0 +1,231 @@
+"""``python -m bench neverworse``: three ordinary patterns where kvtier must never be slower than
+llama-server alone (same flags, its host-memory prompt cache ``--cache-ram`` at its default).
+
+    python -m bench neverworse                      # quiet, then with a CPU load beside (a few minutes)
+    python -m bench neverworse --scenarios repeat_at_once --no-load
+
+- ``repeat_at_once``: a chat sent again the moment its answer ends (a benchmark calibrating itself, a
+  client retrying). TTFT of the repeat.
+- ``abort_reprompt``: a streamed answer the client closes after ``--abort-after`` tokens, then the
+  same ~``--prefix`` token prefix with a new ending (a user pressing stop, an agent cancelling), on
+  the same node and on another node. The share of the prefix reused (not computed again).
+- ``agent_subagents``: three agents at once, each growing a main thread in four steps, then running
+  two sub-agent windows of their own, then a short finalize on the main thread, with at most four
+  requests in flight. Finalize TTFT over the main thread's last step, and tokens computed.
+
+Each mode runs on fresh nodes (``-np 4``, one llama-server per node; kvtier with an embedded Valkey).
+With a load, one process spins on a core beside the nodes for the whole mode. Writes
+``bench/results/neverworse.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import multiprocessing
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+
+from .agents import QUESTIONS, document
+from .common import (
+    RESULTS_DIR,
+    Reply,
+    chat,
+    client_session,
+    cluster,
+    complete,
+    console,
+    percentile,
+    print_table,
+    redis_flush,
+    redis_or_given,
+    tokenize,
+    write_json,
+)
+
+SCENARIOS = ("repeat_at_once", "abort_reprompt", "agent_subagents")
+MODES = ("alone", "kvtier")
+
+
+def llama_args(ctx: int, threads: int, slots: int) -> list[str]:
+    """The issue's flags: ``-np 4``, and llama-server's own prompt cache at its default size."""
+    return ["-c", str(ctx), "-np", str(slots), "-t", str(threads)]
+
+
+def _spin() -> None:
+    while True:
+        pass
+
+
+@contextlib.contextmanager
+def cpu_load(on: bool) -> Iterator[None]:
+    """One process spinning on a core while the block runs (the machine busy with other work)."""
+    if not on:
+        yield
+        return
+    proc = multiprocessing.get_context("spawn").Process(target=_spin, daemon=True)
+    proc.start()
+    try:
+        yield
+    finally:
+        proc.terminate()
+        proc.join(5)
+
+
+async def repeat_at_once(s: aiohttp.ClientSession, url: str, prefix: int, reps: int) -> list[dict[str, Any]]:
+    rows = []
+    for r in range(reps):
+        messages = [{"role": "system", "content": "Answer from these records. " + document(prefix, 70 + r)},
+                    {"role": "user", "content": QUESTIONS[r % len(QUESTIONS)]}]
+        first = await chat(s, url, messages, 16)
+        again = await chat(s, url, messages, 16)  # the moment the first answer ended
+        rows.append({"rep": r, "first_ttft_ms": first.ttft_ms, "repeat_ttft_ms": again.ttft_ms,
+                     "repeat_computed": again.recomputed_tokens, "prompt_tokens": again.prompt_tokens})
+    return rows
+
+
+async def _aborted(s: aiohttp.ClientSession, url: str, prompt: str, after: int) -> int:
+    """Stream an answer and leave after ``after`` token events; the events read."""
+    body = {"prompt": prompt, "n_predict": 4 * after, "temperature": 0, "cache_prompt": True, "stream": True,
+            "ignore_eos": True}
+    seen = 0
+    async with s.post(url + "/completion", json=body) as r:
+        r.raise_for_status()
+        async for line in r.content:
+            if line.startswith(b"data: "):
+                seen += 1
+                if seen >= after:
+                    break  # the connection closes with the response: the client left
+    return seen
+
+
+async def abort_reprompt(s: aiohttp.ClientSession, urls: list[str], llama_url: str, prefix: int, reps: int,
+                         after: int) -> list[dict[str, Any]]:
+    rows = []
+    for r in range(reps):
+        doc = "Answer from these records. " + document(prefix, 90 + r)
+        prefix_tokens = len(await tokenize(s, llama_url, doc))
+        for where, url in (("same node", urls[0]), ("other node", urls[1 % len(urls)])):
+            await _aborted(s, urls[0], f"{doc}\nQuestion: {QUESTIONS[0]}\nAnswer:", after)
+            await asyncio.sleep(0.2)  # the client's next request, a moment later
+            again: Reply = await complete(s, url, f"{doc}\nQuestion: {QUESTIONS[r % 7 + 1]}\nAnswer:", 8)
+            reused = again.prompt_tokens - again.recomputed_tokens
+            rows.append({"rep": r, "where": where, "prefix_tokens": prefix_tokens, "reused_tokens": reused,
+                         "reused_share": round(min(1.0, reused / prefix_tokens), 3), "ttft_ms": again.ttft_ms})
+            doc += " " + str(r)  # the other node's round starts a fresh prefix
+            prefix_tokens = len(await tokenize(s, llama_url, doc))
+    return rows
+
+
+async def _agent(s: aiohttp.ClientSession, url: str, a: int, main_tokens: int, sub_tokens: int,
+                 gate: asyncio.Semaphore) -> dict[str, Any]:
+    async def ask(messages: list[dict[str, str]]) -> Reply:
+        async with gate:
+            return await chat(s, url, messages, 16)
+
+    step = main_tokens // 4
+    main = [{"role": "system", "content": f"You are agent {a}. Keep notes."}]
+    last: Reply | None = None
+    for k in range(4):
+        main.append({"role": "user", "content": document(step, 200 + 10 * a + k)})
+        last = await ask(main)
+        main.append({"role": "assistant", "content": last.content})
+    assert last is not None
+    subs = [[{"role": "system", "content": f"Sub-agent {a}.{j}: read and report."},
+             {"role": "user", "content": document(sub_tokens, 500 + 10 * a + j)}] for j in range(2)]
+    await asyncio.gather(*(ask(m) for m in subs))
+    main.append({"role": "user", "content": "Both sub-agents reported. Finalize in one line."})
+    final = await ask(main)
+    return {"agent": a, "main_last_ttft_ms": last.ttft_ms, "finalize_ttft_ms": final.ttft_ms,
+            "finalize_ratio": round(final.ttft_ms / max(last.ttft_ms, 1e-3), 3),
+            "finalize_computed": final.recomputed_tokens, "finalize_prompt_tokens": final.prompt_tokens}
+
+
+async def agent_subagents(s: aiohttp.ClientSession, url: str, main_tokens: int, sub_tokens: int) -> list[dict[str, Any]]:
+    gate = asyncio.Semaphore(4)
+    return list(await asyncio.gather(*(_agent(s, url, a, main_tokens, sub_tokens, gate) for a in range(3))))
+
+
+async def run_mode(a: argparse.Namespace, mode: str, redis_url: str) -> dict[str, Any]:
+    sidecar = mode != "alone"
+    await redis_flush(redis_url)
+    out: dict[str, Any] = {}
+    with cluster(2, llama_args(a.ctx, a.threads, a.slots), sidecar=sidecar,
+                 redis_url=redis_url if sidecar else None) as cl:
+        async with client_session() as s:
+            urls = [cl.url(0), cl.url(1)]
+            if "repeat_at_once" in a.scenarios:
+                out["repeat_at_once"] = await repeat_at_once(s, urls[0], a.prefix, a.reps)
+            if "abort_reprompt" in a.scenarios:
+                out["abort_reprompt"] = await abort_reprompt(s, urls, cl.llama_url(0), a.prefix, a.reps, a.abort_after)
+            if "agent_subagents" in a.scenarios:
+                out["agent_subagents"] = await agent_subagents(s, urls[1], a.main_tokens, a.sub_tokens)
+    return out
+
+
+def summarize(results: dict[str, dict[str, Any]]) -> list[list[Any]]:
+    """One row per load, scenario and mode: the scenario's own figure (medians)."""
+    rows: list[list[Any]] = []
+    for key, by_scenario in results.items():
+        load, mode = key.split("/")
+        for name, data in by_scenario.items():
+            if name == "repeat_at_once":
+                rows.append([load, name, mode, "repeat TTFT ms (p50)",
+                             percentile([x["repeat_ttft_ms"] for x in data], 50),
+                             percentile([x["repeat_computed"] for x in data], 50)])
+            elif name == "abort_reprompt":
+                for where in ("same node", "other node"):
+                    part = [x for x in data if x["where"] == where]
+                    rows.append([load, f"{name} ({where})", mode, "prefix reused (p50)",
+                                 percentile([x["reused_share"] for x in part], 50),
+                                 percentile([max(0, x["prefix_tokens"] - x["reused_tokens"]) for x in part], 50)])
+            else:
+                rows.append([load, name, mode, "finalize / last main step TTFT (p50)",
+                             percentile([x["finalize_ratio"] for x in data], 50),
+                             percentile([x["finalize_computed"] for x in data], 50)])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench neverworse", description=__doc__.splitlines()[0])
+    p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--slots", type=int, default=4)
+    p.add_argument("--ctx", type=int, default=16384, help="llama-server -c (shared by its slots)")
+    p.add_argument("--prefix", type=int, default=1500, help="tokens of the repeated and the aborted prefix")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--abort-after", type=int, default=64)
+    p.add_argument("--main-tokens", type=int, default=2000)
+    p.add_argument("--sub-tokens", type=int, default=1500)
+    p.add_argument("--no-load", action="store_true", help="quiet only (no run with a CPU load beside)")
+    p.add_argument("--redis-url", help="use this Redis instead of an embedded Valkey (it gets FLUSHALLed!)")
+    p.add_argument("--json", default=str(RESULTS_DIR / "neverworse.json"))
+    a = p.parse_args(argv)
+    a.scenarios = [x for x in a.scenarios.split(",") if x]
+    if bad := [x for x in a.scenarios if x not in SCENARIOS]:
+        p.error(f"unknown scenarios {bad}")
+    results: dict[str, dict[str, Any]] = {}
+    started = time.time()
+    with redis_or_given(a.redis_url) as redis_url:
+        for load in ("quiet",) if a.no_load else ("quiet", "loaded"):
+            for mode in MODES:
+                console.print(f"neverworse: {load}, {mode}")
+                with cpu_load(load == "loaded"):
+                    results[f"{load}/{mode}"] = asyncio.run(run_mode(a, mode, redis_url))
+    rows = summarize(results)
+    print_table("Never worse than llama-server alone (same flags, default --cache-ram)",
+                ["load", "scenario", "mode", "figure", "value", "tokens computed (p50)"], rows)
+    console.print("tokens computed: of the repeat; of the prefix (abort_reprompt); of the finalize")
+    write_json(a.json, {"benchmark": "neverworse", "settings": {k: v for k, v in vars(a).items() if k != "json"},
+                        "minutes": round((time.time() - started) / 60, 1), "results": results,
+                        "table": [dict(zip(["load", "scenario", "mode", "figure", "value", "computed"], r, strict=True))
+                                  for r in rows]})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
