@@ -29,15 +29,9 @@ import numpy as np
 
 from integrations.chunks import assemble_state, restore_size, split_state, state_pieces, write_pieces
 from integrations.memkind import MemoryKind
-from integrations.statefile import (
-    KVCache,
-    KVLayer,
-    KVStream,
-    SeqState,
-    TokenSection,
-    parse_state,
-    write_state,
-)
+from integrations.statefile import KVCache, KVLayer, KVStream, SeqState, TokenSection
+from integrations.stateparse import parse_state
+from integrations.statewrite import write_state
 
 N_LAYER, N_EMBD_GQA, F16 = 30, 192, 1  # SmolLM2-135M: 3 KV heads x 64
 CHUNK_TOKENS = 256

@@ -46,25 +46,21 @@ import numpy as np
 from tiers.errors import StateFormatError
 from tiers.keys import as_token_array
 
+from .buffers import BytesLike, alloc_buffer, as_uint8, out_buffer
 from .memkind import MemoryKind
 from .statefile import (
     CELL_DTYPE,
     GGSQ_MAGIC,
     GGSQ_VERSION,
     HEADER_BYTES,
-    KVCache,
     KVStream,
     LayerLayout,
     SeqState,
     StateLayout,
-    alloc_buffer,
-    as_uint8,
     ggml_element_size,
     ggml_type_name,
-    out_buffer,
-    parse_state,
-    write_state,
 )
+from .stateparse import parse_state
 from .swa import padded_for_restore
 
 CHUNK_MAGIC = b"KVSC"
@@ -77,7 +73,6 @@ _K_HEAD = struct.Struct("<iQ")
 _VT_HEAD = struct.Struct("<iII")
 _UINT: dict[int, np.dtype[Any]] = {1: np.dtype("u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
-BytesLike = bytes | bytearray | memoryview | np.ndarray
 _IOV_MAX = min(os.sysconf("SC_IOV_MAX"), 1024) if hasattr(os, "sysconf") else 16  # buffers per writev
 
 
@@ -584,27 +579,3 @@ def _target_el(la: ChunkLayer, infos: list[ChunkInfo], v_trans: bool, il: int) -
             "attention on both sides: save and restore with -fa on)"
         )
     return el
-
-
-# -- whole states ---------------------------------------------------------------------------------
-
-
-def retarget_state(state: SeqState | BytesLike, n_stream: int) -> memoryview:
-    """Rewrite a whole state for a target with another stream count (cells move to stream 0).
-
-    Raises:
-        StateFormatError: opaque, recurrent or hybrid memory, or cells in more than one stream of a cache.
-    """
-    if not isinstance(state, SeqState):
-        state = parse_state(state)
-    if not state.caches or state.recurrent is not None:  # a recurrent state has no streams to move
-        raise StateFormatError(f"cannot change the stream count of {state.memory_kind} memory")
-    caches = []
-    for cache in state.caches:
-        full = [s for s in cache.streams if s.n_cells]
-        if len(full) > 1:
-            raise StateFormatError("cells in more than one stream")
-        caches.append(KVCache(tuple(full + [KVStream.empty()] * (n_stream - len(full)))))
-    return write_state(
-        SeqState(state.version, state.tokens, state.memory_kind, tuple(caches), state.cell_ext, state.memory, 0)
-    )

@@ -29,7 +29,8 @@ from tiers.keys import Namespace
 from .chunks import ChunkInfo, read_chunk_header
 from .memkind import MemoryKind
 from .recurrentstate import RecurrentState
-from .statefile import KVCache, KVStream, LayerLayout, SeqState, StateLayout, ggml_type_name, parse_state
+from .statefile import KVCache, KVStream, LayerLayout, SeqState, StateLayout, ggml_type_name
+from .stateparse import parse_state
 
 BLOCK_BYTES = 8 << 20  # 8 MiB reads while hashing a model
 CACHE_FILE = "model-ids.json"

@@ -73,7 +73,8 @@ from .llama_cpp_state import (
     whole_state_bytes,
 )
 from .memkind import MemoryKind
-from .statefile import SeqState, parse_state
+from .statefile import SeqState
+from .stateparse import parse_state
 from .syncstore import DEFAULT_CAPACITY, DEFAULT_SHARED_CAPACITY, DEFAULT_TIMEOUT, SyncStore
 
 __all__ = ["CacheCounters", "KVTierCache", "SyncStore", "WindowGuard", "restore_session", "save_session"]

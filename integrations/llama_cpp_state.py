@@ -31,18 +31,11 @@ import numpy as np
 from tiers.errors import KVTierError, StateFormatError
 from tiers.keys import as_token_array
 
+from .buffers import alloc_buffer, as_uint8
 from .fingerprint import memory_layout
 from .memkind import LookupShape, MemoryKind
-from .statefile import (
-    GGSQ_MAGIC,
-    GGSQ_VERSION,
-    HEADER_BYTES,
-    SeqState,
-    StateLayout,
-    alloc_buffer,
-    as_uint8,
-    parse_state,
-)
+from .statefile import GGSQ_MAGIC, GGSQ_VERSION, HEADER_BYTES, SeqState, StateLayout
+from .stateparse import parse_state
 
 IO_MAGIC = 0xAF143CD8  # llama_context::state_seq_{get,set}_data: io_magic, then the i32 seq id
 _SEQ_HEAD = struct.Struct("<Ii")

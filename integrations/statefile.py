@@ -1,4 +1,8 @@
-"""llama.cpp sequence-state files ('ggsq' version 3): strict zero-copy parse, byte-exact write, inspect.
+"""llama.cpp sequence-state files ('ggsq' version 3): the format, and ``SeqState``, its parsed model.
+
+``stateparse`` reads a file into a ``SeqState`` (zero-copy), ``statewrite`` writes one back
+(byte-exact); ``chunks`` cuts one into prefix chunks. This module knows the layout and what a
+state holds: whether it can be stored as prefix chunks, and where its *rest* starts.
 
 What ``POST /slots/{id}?action=save`` writes (``llama_context::state_seq_save_file``)::
 
@@ -30,12 +34,8 @@ state of their other layers (``llama_memory_hybrid`` / ``llama_memory_hybrid_isw
     recurrent     recurrent state
     hybrid        KV cache [, KV cache], recurrent state
 
-The parser is strict: the memory state must be one of these and consume every byte, or it is
-*opaque* (kept as raw bytes, reported with the reason, never split): a context without memory,
-three KV caches (``llama_kv_cache_dsa_iswa``), an indexer cache after the recurrent state
-(``llama_memory_hybrid_idx``), K-only caches (V skipped for some layers), anything else.
-Every count is checked against the bytes left before it is used, so a damaged header can never
-cause a large allocation, and all K/V/R/S data are numpy views into the caller's buffer.
+A memory state that fits none of these, or leaves bytes over, is *opaque*: kept as raw bytes,
+reported with the parser's reason, never split (``stateparse``).
 """
 
 from __future__ import annotations
@@ -47,15 +47,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tiers.errors import StateFormatError
-
 from .memkind import MemoryKind
-from .recurrentstate import RecurrentState, parse_recurrent, write_recurrent
-from .statereader import CELL_HEAD as _CELL_HEAD
-from .statereader import MAX_LAYERS, StateReader
-from .statereader import ROW_HEAD as _K_HEAD
-from .statereader import TWO_U32 as _TWO_U32
-from .statereader import U32 as _U32
+from .recurrentstate import RecurrentState
 
 GGSQ_MAGIC = 0x67677371  # 'ggsq'
 GGSQ_VERSION = 3  # LLAMA_STATE_SEQ_VERSION of the pinned llama.cpp
@@ -85,8 +78,8 @@ CELL_EXT_DTYPE = np.dtype(
     [("pos", "<i4"), ("n_seq_id", "<u4"), ("x", "<i4"), ("y", "<i4"), ("tok", "<i4"), ("seq_id", "<i4")]
 )
 
-_VT_HEAD = struct.Struct("<iII")  # type, element size, n_embd_v_gqa
-_EXT = struct.Struct("<iii")  # llama_kv_cell_ext: x, y, tok
+V_TRANS_HEAD = struct.Struct("<iII")  # transposed V: type, element size, n_embd_v_gqa
+CELL_EXT = struct.Struct("<iii")  # llama_kv_cell_ext: x, y, tok
 
 
 def ggml_type_name(type_id: int) -> str:
@@ -102,7 +95,7 @@ def ggml_element_size(type_id: int) -> int | None:
     return info[2] if info is not None and info[1] == 1 else None
 
 
-# -- the model ------------------------------------------------------------------------------------
+# -- the model: what a parsed file holds ----------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -365,225 +358,6 @@ def _recurrent_reason(rec: RecurrentState, n_caches: int) -> str:
             "so no shorter prefix can be cut from it")
 
 
-# -- parse ----------------------------------------------------------------------------------------
-
-
-def as_uint8(data: bytes | bytearray | memoryview | np.ndarray) -> np.ndarray:
-    """A flat uint8 view of any contiguous buffer (no copy)."""
-    if isinstance(data, np.ndarray):
-        return data.reshape(-1).view(np.uint8) if data.flags.c_contiguous else np.ascontiguousarray(data).view(np.uint8)
-    return np.frombuffer(data, dtype=np.uint8)
-
-
-def parse_state(data: bytes | bytearray | memoryview | np.ndarray, *, allow_opaque: bool = False) -> SeqState:
-    """Parse a sequence-state file; every array in the result is a view into ``data``.
-
-    Args:
-        data: the file's bytes (kept alive by the views; a bytearray cannot be resized meanwhile).
-        allow_opaque: accept a memory state that fits none of the layouts this parser knows (see
-            the module doc) as raw bytes instead of raising.
-
-    Raises:
-        StateFormatError: wrong magic or version, truncated or damaged header, token section or
-            (unless ``allow_opaque``) memory state.
-    """
-    arr = as_uint8(data)
-    r = StateReader(arr, 0, arr.size)
-    if arr.size < HEADER_BYTES:
-        raise StateFormatError(f"not a sequence-state file: {arr.size} bytes, the header alone is {HEADER_BYTES}")
-    magic, version, n_words = struct.unpack_from("<III", r.mv, 0)
-    if magic != GGSQ_MAGIC:
-        raise StateFormatError(f"not a sequence-state file (magic {magic:#010x}, expected {GGSQ_MAGIC:#010x} 'ggsq')")
-    if version != GGSQ_VERSION:
-        raise StateFormatError(f"unsupported sequence-state version {version} (this build reads {GGSQ_VERSION})")
-    r.pos = HEADER_BYTES
-    if n_words > r.left // 4:
-        raise StateFormatError(f"token count {n_words} exceeds the file size ({arr.size} bytes)")
-    words = r.view(4 * n_words, "token section").view("<i4")
-    tokens = _parse_token_section(words)
-    mem_start = r.pos
-    memory = arr[mem_start:].data
-    try:
-        mem = _parse_memory(arr, mem_start, arr.size)
-    except StateFormatError as exc:
-        if not allow_opaque:
-            raise
-        return SeqState(version, tokens, MemoryKind.OPAQUE, (), False, memory, int(arr.size), str(exc))
-    return SeqState(version, tokens, mem.kind, mem.caches, mem.cell_ext, memory, int(arr.size),
-                    recurrent=mem.recurrent)
-
-
-def _parse_token_section(words: np.ndarray) -> TokenSection:
-    if words.size == 0 or words[0] != LLAMA_TOKEN_NULL:
-        return TokenSection(words, words, False, np.zeros(0, "<u4"))
-    # The server's packed form: -1, version, vector<token>, vector<u32 media key>, media chunks.
-    n = int(words.size)
-    if n < 3:
-        raise StateFormatError("packed token section truncated")
-    if int(words[1]) != SERVER_TOKENS_VERSION:
-        raise StateFormatError(f"unsupported packed token section version {int(words[1])}")
-    n_tok = int(words[2]) & 0xFFFFFFFF
-    if n_tok > n - 3 - 1:  # the media-key count must follow
-        raise StateFormatError(f"packed token count {n_tok} exceeds the token section ({n} words)")
-    tokens = words[3 : 3 + n_tok]
-    at = 3 + n_tok
-    n_media = int(words[at]) & 0xFFFFFFFF
-    if n_media > n - at - 1:
-        raise StateFormatError(f"packed media count {n_media} exceeds the token section")
-    media_keys = words[at + 1 : at + 1 + n_media].view("<u4")
-    r = StateReader(words.view(np.uint8), 4 * (at + 1 + n_media), 4 * n)
-    media: list[memoryview] = []
-    for i in range(n_media):
-        size = r.u32(f"media chunk {i} size")
-        media.append(r.view(size, f"media chunk {i}").data)
-    if r.left >= 4:
-        raise StateFormatError(f"{r.left} trailing bytes in the packed token section")
-    return TokenSection(words, tokens, True, media_keys, tuple(media))
-
-
-@dataclass(frozen=True, slots=True)
-class _Memory:
-    caches: tuple[KVCache, ...]
-    cell_ext: bool
-    recurrent: RecurrentState | None
-
-    @property
-    def kind(self) -> MemoryKind:
-        if self.recurrent is not None:
-            return MemoryKind.HYBRID if self.caches else MemoryKind.RECURRENT
-        return MemoryKind.KV if len(self.caches) == 1 else MemoryKind.KV_PAIR
-
-
-def _parse_memory(arr: np.ndarray, start: int, end: int) -> _Memory:
-    """Up to two KV caches, then, unless they end the file, a recurrent state that must.
-
-    Each reading is tried without and with ``llama_kv_cell_ext``; when none fits, the error is the
-    one of the reading that got furthest into the file (the likeliest to name the damage).
-    """
-    if start == end:
-        # Only a context without memory writes nothing here; for a KV cache it is truncation.
-        raise StateFormatError(f"no memory state after the token section (offset {start})")
-    failures: list[tuple[int, str]] = []
-    for cell_ext in (False, True):
-        r = StateReader(arr, start, end)
-        caches: list[KVCache] = []
-        ends = [r.pos]  # where the recurrent state would start after 0, 1, ... caches
-        kv_failure: tuple[int, str] | None = None
-        while r.left and len(caches) < MAX_KV_CACHES:
-            at = r.pos
-            try:
-                caches.append(_parse_kv_cache(r, cell_ext))
-                ends.append(r.pos)
-            except StateFormatError as exc:
-                kv_failure, r.pos = (r.pos, str(exc)), at
-                break
-        if not r.left:
-            return _Memory(tuple(caches), cell_ext, None)
-        # The recurrent state after as many caches as read; else after fewer: its first words can
-        # read as an empty KV cache (a one-token hybrid state starts 1, 0: a stream of no cells).
-        rec_failure: tuple[int, str] | None = None
-        for n in range(len(caches), -1, -1):
-            r.pos = ends[n]
-            try:
-                return _Memory(tuple(caches[:n]), cell_ext, parse_recurrent(r))
-            except StateFormatError as exc:
-                rec_failure = rec_failure or (r.pos, str(exc))
-        assert rec_failure is not None
-        failures.append(_why_not(caches, end - ends[-1], kv_failure, rec_failure))
-    raise StateFormatError(max(failures)[1])
-
-
-def _why_not(caches: list[KVCache], left: int, kv: tuple[int, str] | None, rec: tuple[int, str]) -> tuple[int, str]:
-    """(how far the furthest reading got, the message) for memory that fits no known layout."""
-    furthest = max(rec[0], kv[0] if kv else 0)
-    if not caches:
-        assert kv is not None
-        readings = sorted([(kv[0], f"as a KV cache: {kv[1]}"), (rec[0], f"as a recurrent state: {rec[1]}")],
-                          reverse=True)
-        return furthest, "memory state fits no known layout; " + "; ".join(m for _, m in readings)
-    what = f"{left} bytes after {'the KV cache state' if len(caches) == 1 else 'two KV cache states'}"
-    if kv is None:
-        return furthest, f"{what} are not a recurrent state ({rec[1]})"
-    return furthest, f"{what} are neither a KV cache ({kv[1]}) nor a recurrent state ({rec[1]})"
-
-
-def _parse_kv_cache(r: StateReader, cell_ext: bool) -> KVCache:
-    n_stream = r.u32("n_stream")
-    if n_stream == 0 or n_stream > MAX_STREAMS or n_stream > r.left // 4:
-        raise StateFormatError(f"implausible stream count {n_stream} ({r.left} bytes left)")
-    streams = [_parse_stream(r, s, cell_ext) for s in range(n_stream)]
-    return KVCache(tuple(streams))
-
-
-def _parse_stream(r: StateReader, s: int, cell_ext: bool) -> KVStream:
-    n = r.u32(f"stream {s} cell count")
-    if n == 0:
-        return KVStream.empty()
-    cell_min = 20 if cell_ext else 8
-    if n > r.left // cell_min:
-        raise StateFormatError(f"stream {s}: cell count {n} exceeds the bytes left ({r.left})")
-    pos, n_seq_id, seq_ids, ext = _parse_cells(r, n, cell_ext, s)
-    v_trans, n_layer = r.unpack(_TWO_U32, f"stream {s} v_trans/n_layer")
-    if v_trans > 1:
-        raise StateFormatError(f"stream {s}: v_trans must be 0 or 1, got {v_trans}")
-    if n_layer == 0 or n_layer > MAX_LAYERS or n_layer > r.left // 24:
-        raise StateFormatError(f"stream {s}: implausible layer count {n_layer}")
-    ks: list[tuple[int, int, np.ndarray]] = []
-    for il in range(n_layer):
-        k_type, k_row = r.unpack(_K_HEAD, f"stream {s} layer {il} K header")
-        if k_row == 0 or k_row > r.left // n:
-            raise StateFormatError(f"stream {s} layer {il}: K row size {k_row} x {n} cells exceeds the bytes left")
-        ks.append((k_type, k_row, r.view(n * k_row, "K rows").reshape(n, k_row)))
-    layers: list[KVLayer] = []
-    for il, (k_type, k_row, k) in enumerate(ks):
-        if not v_trans:
-            v_type, v_row = r.unpack(_K_HEAD, f"stream {s} layer {il} V header")
-            if v_row == 0 or v_row > r.left // n:
-                raise StateFormatError(f"stream {s} layer {il}: V row size {v_row} x {n} cells exceeds the bytes left")
-            v = r.view(n * v_row, "V rows").reshape(n, v_row)
-            layers.append(KVLayer(k_type, k_row, k, v_type, v_row, 0, 0, v))
-        else:
-            v_type, el, n_embd = r.unpack(_VT_HEAD, f"stream {s} layer {il} V header")
-            if el == 0 or n_embd == 0 or el * n_embd > r.left // n:
-                raise StateFormatError(
-                    f"stream {s} layer {il}: transposed V {n_embd} x {n} cells x {el} bytes exceeds the bytes left"
-                )
-            v = r.view(n * el * n_embd, "transposed V").reshape(n_embd, n * el)
-            layers.append(KVLayer(k_type, k_row, k, v_type, el * n_embd, el, n_embd, v))
-    return KVStream(n, pos, n_seq_id, seq_ids, ext, bool(v_trans), tuple(layers))
-
-
-def _parse_cells(
-    r: StateReader, n: int, cell_ext: bool, s: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    dtype = CELL_EXT_DTYPE if cell_ext else CELL_DTYPE
-    if n * dtype.itemsize <= r.left:
-        # Fast path: one seq id per cell (every single-sequence save) is one structured array.
-        cells = np.frombuffer(r.arr, dtype, count=n, offset=r.pos)
-        if np.all(cells["n_seq_id"] == 1):
-            r.pos += n * dtype.itemsize
-            ext_arr = np.stack([cells["x"], cells["y"], cells["tok"]], axis=1) if cell_ext else None
-            return cells["pos"], cells["n_seq_id"], cells["seq_id"], ext_arr
-    # Fallback: cells with 0 or several sequence ids (whole-cache saves); one Python step per cell.
-    pos = np.empty(n, "<i4")
-    nsq = np.empty(n, "<u4")
-    ext_rows: np.ndarray | None = np.empty((n, 3), "<i4") if cell_ext else None
-    seq_parts: list[np.ndarray] = []
-    for i in range(n):
-        p, k = r.unpack(_CELL_HEAD, f"stream {s} cell {i}")
-        pos[i], nsq[i] = p, k
-        if ext_rows is not None:
-            ext_rows[i] = r.unpack(_EXT, f"stream {s} cell {i} ext")
-        if k > r.left // 4:
-            raise StateFormatError(f"stream {s} cell {i}: {k} sequence ids exceed the bytes left")
-        seq_parts.append(r.view(4 * k, "sequence ids").view("<i4"))
-    seq_ids = np.concatenate(seq_parts) if seq_parts else np.zeros(0, "<i4")
-    return pos, nsq, seq_ids, ext_rows
-
-
-# -- write ----------------------------------------------------------------------------------------
-
-
 def cache_nbytes(cache: KVCache) -> int:
     """Bytes of one KV cache's state (``llama_kv_cache::state_write``)."""
     size = 4 + 4 * cache.n_stream
@@ -592,108 +366,3 @@ def cache_nbytes(cache: KVCache) -> int:
             size += s.n_cells * (8 + (12 if s.ext is not None else 0)) + 4 * int(s.seq_ids.size) + 8
             size += sum(24 + la.k.nbytes + la.v.nbytes for la in s.layers)
     return size
-
-
-def state_size(state: SeqState) -> int:
-    """Bytes ``write_state`` will produce."""
-    size = HEADER_BYTES + 4 * int(state.tokens.words.size)
-    if not state.caches and state.recurrent is None:
-        return size + state.memory.nbytes
-    if state.recurrent is not None:
-        size += state.recurrent.nbytes
-    for cache in state.caches:
-        size += cache_nbytes(cache)
-    return size
-
-
-def alloc_buffer(size: int) -> tuple[np.ndarray, memoryview]:
-    """An uninitialised byte buffer (every caller writes every byte) and its memoryview.
-
-    ``np.empty`` rather than ``bytearray(size)``: a bytearray is zero-filled, and on these VMs
-    faulting in 94 MB of zeroed 4 KiB pages costs ~100 ms; numpy asks for huge pages on large
-    buffers, so the one pass that writes the data is the only pass.
-    """
-    arr = np.empty(size, np.uint8)
-    return arr, arr.data
-
-
-def out_buffer(out: bytearray | memoryview | np.ndarray | None, size: int) -> tuple[np.ndarray, memoryview]:
-    """``out`` (which must be exactly ``size`` writable bytes) or a fresh buffer, as (array, view)."""
-    if out is None:
-        return alloc_buffer(size)
-    arr = as_uint8(out)
-    if arr.size != size:
-        raise ValueError(f"out has {arr.size} bytes, {size} are needed")
-    if not arr.flags.writeable:
-        raise ValueError("out is read-only")
-    return arr, arr.data
-
-
-def write_state(state: SeqState, out: bytearray | memoryview | np.ndarray | None = None) -> memoryview:
-    """Encode ``state`` as a sequence-state file (byte-identical to the parsed file it came from).
-
-    Returns:
-        The file's bytes: a view of ``out`` when given, else of a fresh buffer.
-    """
-    size = state_size(state)
-    arr, out = out_buffer(out, size)
-    struct.pack_into("<III", out, 0, GGSQ_MAGIC, state.version, state.tokens.words.size)
-    at = HEADER_BYTES
-    words = state.tokens.words
-    arr[at : at + 4 * words.size] = words.view(np.uint8)
-    at += 4 * int(words.size)
-    if not state.caches and state.recurrent is None:
-        arr[at:] = np.frombuffer(state.memory, np.uint8)
-        return out
-    for cache in state.caches:
-        _U32.pack_into(out, at, cache.n_stream)
-        at += 4
-        for s in cache.streams:
-            _U32.pack_into(out, at, s.n_cells)
-            at += 4
-            if s.n_cells:
-                at = _write_stream(out, arr, at, s)
-    if state.recurrent is not None:
-        at = write_recurrent(out, arr, at, state.recurrent)
-    assert at == size
-    return out
-
-
-def _write_stream(out: memoryview, arr: np.ndarray, at: int, s: KVStream) -> int:
-    n = s.n_cells
-    if s.seq_ids.size == n and np.all(s.n_seq_id == 1):
-        dtype = CELL_EXT_DTYPE if s.ext is not None else CELL_DTYPE
-        cells = np.frombuffer(out, dtype, count=n, offset=at)
-        cells["pos"], cells["n_seq_id"], cells["seq_id"] = s.pos, 1, s.seq_ids
-        if s.ext is not None:
-            cells["x"], cells["y"], cells["tok"] = s.ext[:, 0], s.ext[:, 1], s.ext[:, 2]
-        at += n * dtype.itemsize
-    else:
-        j = 0
-        for i in range(n):
-            k = int(s.n_seq_id[i])
-            _CELL_HEAD.pack_into(out, at, int(s.pos[i]), k)
-            at += 8
-            if s.ext is not None:
-                _EXT.pack_into(out, at, *(int(x) for x in s.ext[i]))
-                at += 12
-            arr[at : at + 4 * k] = s.seq_ids[j : j + k].view(np.uint8)
-            at += 4 * k
-            j += k
-    _TWO_U32.pack_into(out, at, int(s.v_trans), len(s.layers))
-    at += 8
-    for la in s.layers:
-        _K_HEAD.pack_into(out, at, la.k_type, la.k_row_size)
-        at = _put(arr, at + 12, la.k)
-    for la in s.layers:
-        if s.v_trans:
-            _VT_HEAD.pack_into(out, at, la.v_type, la.v_el_size, la.n_embd_v_gqa)
-        else:
-            _K_HEAD.pack_into(out, at, la.v_type, la.v_row_size)
-        at = _put(arr, at + 12, la.v)
-    return at
-
-
-def _put(arr: np.ndarray, at: int, src: np.ndarray) -> int:
-    arr[at : at + src.nbytes].reshape(src.shape)[...] = src
-    return at + src.nbytes

@@ -42,7 +42,9 @@ import numpy as np
 from tiers.errors import StateFormatError
 
 from .memkind import MemoryKind
-from .statefile import KVCache, KVLayer, KVStream, SeqState, parse_state, write_state
+from .statefile import KVCache, KVLayer, KVStream, SeqState
+from .stateparse import parse_state
+from .statewrite import write_state
 
 PAD_CELLS = 2  # masked cells added below the window (see the module doc)
 

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from integrations.chunks import write_pieces
 from integrations.llama_server import LlamaServerClient
-from integrations.statefile import SeqState, parse_state
+from integrations.statefile import SeqState
+from integrations.stateparse import parse_state
 from tiers.errors import KVTierError
 
 log = logging.getLogger("kvtier.engine")

@@ -17,7 +17,7 @@ from integrations import kvflow, prefixrefs
 from integrations.chunks import assemble_state
 from integrations.llama_server import Timings
 from integrations.memkind import LookupShape, MemoryKind
-from integrations.statefile import parse_state
+from integrations.stateparse import parse_state
 from sidecar.config import Settings
 from sidecar.costmodel import CostModel
 from sidecar.engine import KVEngine

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from integrations.statefile import parse_state
+from integrations.stateparse import parse_state
 from tests.ggufgen import ModelShape, write_random_model
 from tests.servers import llama_server, smollm2_path
 

@@ -31,7 +31,7 @@ from integrations.kvflow import REF_STEP, pending_save
 from integrations.llama_cpp_cache import KVTierCache, SyncStore, restore_session, save_session
 from integrations.llama_cpp_state import image_from_llama_state, load_seq_image, read_seq_image
 from integrations.llama_server import LlamaServerClient
-from integrations.statefile import parse_state
+from integrations.stateparse import parse_state
 from tests.inprocess import counting_llama
 from tests.servers import RedisProc, llama_server, smollm2_path
 from tiers.codec import BlobCodec

@@ -29,7 +29,7 @@ from integrations.fingerprint import layout_fingerprint, memory_identity, memory
 from integrations.llama_cpp_cache import KVTierCache, restore_session, save_session
 from integrations.llama_cpp_state import load_seq_image, read_seq_image, whole_state_bytes
 from integrations.memkind import MemoryKind
-from integrations.statefile import parse_state
+from integrations.stateparse import parse_state
 from integrations.swa import gguf_sliding_window
 from tests.ggufgen import ModelShape, write_random_model
 from tests.inprocess import counting_llama

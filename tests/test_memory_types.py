@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 import redis
 
-from integrations.statefile import parse_state
+from integrations.stateparse import parse_state
 from integrations.swa import gguf_sliding_window, pad_swa_window
 from sidecar.config import Settings
 from tests.ggufgen import ModelShape, write_random_model

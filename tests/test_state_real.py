@@ -22,7 +22,8 @@ import pytest
 
 from integrations.chunks import assemble_state, split_state
 from integrations.fingerprint import inspect_main, layout_fingerprint, model_identity
-from integrations.statefile import parse_state, write_state
+from integrations.stateparse import parse_state
+from integrations.statewrite import write_state
 from tests.ggufgen import ModelShape, write_random_llama
 from tests.servers import DEFAULT_LLAMA_ARGS, LlamaServer, smollm2_path
 from tiers.errors import StateFormatError

@@ -25,13 +25,14 @@ from integrations.chunks import (
     first_cells,
     read_chunk_header,
     restore_size,
-    retarget_state,
     split_state,
     state_pieces,
     write_pieces,
 )
 from integrations.fingerprint import inspect, inspect_main, layout_fingerprint, model_identity
-from integrations.statefile import GGSQ_MAGIC, parse_state, state_size, write_state
+from integrations.statefile import GGSQ_MAGIC
+from integrations.stateparse import parse_state
+from integrations.statewrite import retarget_state, state_size, write_state
 from tiers.errors import KVTierError, StateFormatError
 from tiers.keys import Namespace
 

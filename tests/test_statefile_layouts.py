@@ -23,7 +23,9 @@ from typing import Any
 import pytest
 
 from integrations.fingerprint import inspect_main
-from integrations.statefile import SeqState, parse_state, write_state
+from integrations.statefile import SeqState
+from integrations.stateparse import parse_state
+from integrations.statewrite import write_state
 from tests.ggufgen import ModelShape, write_random_model
 from tests.servers import llama_server, smollm2_path
 from tiers.errors import StateFormatError

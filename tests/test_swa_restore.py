@@ -24,7 +24,8 @@ import numpy as np
 import pytest
 
 from integrations.memkind import MemoryKind
-from integrations.statefile import parse_state, write_state
+from integrations.stateparse import parse_state
+from integrations.statewrite import write_state
 from integrations.swa import gguf_sliding_window, pad_swa_window, swa_padding, swa_window
 from tests.ggufgen import ModelShape, write_random_model
 from tests.servers import gemma3_path, llama_server, smollm2_path
