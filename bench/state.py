@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from integrations.chunks import assemble_state, restore_size, split_state, state_pieces, write_pieces
+from integrations.chunkassemble import assemble_state, restore_size, state_pieces, write_pieces
+from integrations.chunksplit import split_state
 from integrations.memkind import MemoryKind
 from integrations.statefile import KVCache, KVLayer, KVStream, SeqState, TokenSection
 from integrations.stateparse import parse_state

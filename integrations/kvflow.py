@@ -46,7 +46,8 @@ from tiers.pending import PendingMark, PendingSaves
 from tiers.sessions import Manifest, SessionError, SessionStore
 from tiers.store import Announce, FetchResult, LookupResult, StoreResult, TailHit, TieredStore
 
-from .chunks import chunks_of, first_cells, read_chunk_header, split_state
+from .chunks import read_chunk_header
+from .chunksplit import chunks_of, first_cells, split_state
 from .memkind import PLAIN_KV, LookupShape
 from .prefixrefs import REF_CHUNK, REF_STEP, REF_TAIL, check_ref, is_ref, prefix_refs
 from .statefile import SeqState

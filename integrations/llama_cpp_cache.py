@@ -61,7 +61,7 @@ from tiers.sessions import Manifest
 from tiers.store import StoreResult
 
 from . import kvflow
-from .chunks import assemble_state
+from .chunkassemble import assemble_state
 from .fingerprint import layout_fingerprint, memory_identity, model_identity
 from .llama_cpp_state import (
     ContextInfo,

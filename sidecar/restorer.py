@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from integrations.chunks import state_pieces
+from integrations.chunkassemble import state_pieces
 from integrations.kvflow import PrefixFound, TailRecord, fetch_prefix
 from tiers.keys import Namespace
 from tiers.sessions import Manifest, SessionStore

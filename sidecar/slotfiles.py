@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from integrations.chunks import write_pieces
+from integrations.chunkassemble import write_pieces
 from integrations.llama_server import LlamaServerClient
 from integrations.statefile import SeqState
 from integrations.stateparse import parse_state

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from integrations import kvflow, prefixrefs
-from integrations.chunks import assemble_state
+from integrations.chunkassemble import assemble_state
 from integrations.llama_server import Timings
 from integrations.memkind import LookupShape, MemoryKind
 from integrations.stateparse import parse_state
@@ -286,7 +286,7 @@ async def test_a_request_cancelled_while_it_restores_gives_its_slot_back() -> No
 
 @pytest.mark.parametrize("v_trans", [False, True])
 def test_first_cells_of_a_chunk_are_the_shorter_state(v_trans: bool) -> None:
-    from integrations.chunks import first_cells, split_state
+    from integrations.chunksplit import first_cells, split_state
 
     lg = logical(150, seed=6)
     split = split_state(parse_state(ref_file(lg, v_trans=v_trans)), C, tail=True)

@@ -24,7 +24,7 @@ import pytest_asyncio
 import redis
 
 from integrations import kvflow, prefixrefs
-from integrations.chunks import assemble_state
+from integrations.chunkassemble import assemble_state
 from sidecar.appkeys import FORWARDER
 from sidecar.config import Settings, load_settings
 from sidecar.fleet import DIRECTORY_READ_MAX, STATUS_FIELD, STATUS_MAX_AGE_S, Fleet, NodeStatus, SlotHeat

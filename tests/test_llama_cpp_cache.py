@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 import redis
 
-from integrations.chunks import assemble_state, split_state
+from integrations.chunkassemble import assemble_state
+from integrations.chunksplit import split_state
 from integrations.fingerprint import layout_fingerprint, model_identity
 from integrations.kvflow import REF_STEP, pending_save
 from integrations.llama_cpp_cache import KVTierCache, SyncStore, restore_session, save_session

@@ -20,7 +20,8 @@ from typing import Any
 
 import pytest
 
-from integrations.chunks import assemble_state, split_state
+from integrations.chunkassemble import assemble_state
+from integrations.chunksplit import split_state
 from integrations.fingerprint import inspect_main, layout_fingerprint, model_identity
 from integrations.stateparse import parse_state
 from integrations.statewrite import write_state

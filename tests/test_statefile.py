@@ -19,16 +19,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-import integrations.chunks as chunks_mod
-from integrations.chunks import (
-    assemble_state,
-    first_cells,
-    read_chunk_header,
-    restore_size,
-    split_state,
-    state_pieces,
-    write_pieces,
-)
+from integrations import chunkassemble
+from integrations.chunkassemble import assemble_state, restore_size, state_pieces, write_pieces
+from integrations.chunks import read_chunk_header
+from integrations.chunksplit import first_cells, split_state
 from integrations.fingerprint import inspect, inspect_main, layout_fingerprint, model_identity
 from integrations.statefile import GGSQ_MAGIC
 from integrations.stateparse import parse_state
@@ -389,7 +383,7 @@ def test_state_pieces_written_are_the_assembled_file(tmp_path: Path, n_stream: i
     # Short writes (a full disk, a signal) resume mid-piece; more pieces than one writev takes.
     real = os.writev
     monkeypatch.setattr(os, "writev", lambda fd, bufs: real(fd, [bytes(b"".join(bufs)[:7])]))
-    monkeypatch.setattr(chunks_mod, "_IOV_MAX", 4)
+    monkeypatch.setattr(chunkassemble, "_IOV_MAX", 4)
     assert write_pieces(tmp_path / "b.bin", [*pieces, b"", memoryview(b"xyz")]) == len(want) + 3
     assert (tmp_path / "b.bin").read_bytes() == want + b"xyz"
     # Transposed V, on either side: K rows stay slices, each layer's V block is built once.
