@@ -103,58 +103,96 @@ def state_pieces(
         raise ValueError(f"{toks.size} tokens for {n_cells} cells")
     layers = _check_agree(infos)
     if infos and not layers:  # recurrent memory alone: the token section, then the memory state
-        if len(infos) > 1:
-            raise StateFormatError("a payload without KV layers is a whole state: it cannot follow chunks")
-        head = np.empty(HEADER_BYTES + 4 * n_cells, np.uint8)
-        struct.pack_into("<III", head.data, 0, GGSQ_MAGIC, GGSQ_VERSION, n_cells)
-        head[HEADER_BYTES:].view("<i4")[:] = toks[:n_cells]
-        return [head.data, as_uint8(payloads[0]).data[infos[0].data_offset:]]
+        return _recurrent_pieces(payloads, infos, toks[:n_cells])
     if n_cells == 0:
-        empty = np.zeros(HEADER_BYTES + 4 + 4 * n_stream, np.uint8)
-        struct.pack_into("<IIII", empty.data, 0, GGSQ_MAGIC, GGSQ_VERSION, 0, n_stream)
-        return [empty.data]
+        return [_empty_state(n_stream)]
     transposing = v_trans or any(i.v_trans for i in infos)
     els = [_target_el(la, infos, v_trans, il) for il, la in enumerate(layers)] if transposing else []
-    # Everything before the first layer's K rows: header, tokens, stream count, cells, V layout.
+    pieces = [_restore_head(toks[:n_cells], n_stream, v_trans, len(layers))]
+    arrays = [as_uint8(p) for p in payloads]
+    views = [a.data for a in arrays]
+    at = [i.data_offset for i in infos]  # where each payload's next block starts
+    pieces += _row_blocks([(la.k_type, la.k_row_size) for la in layers], infos, views, at)
+    if transposing:
+        pieces += _transposed_v_blocks(layers, els, v_trans, infos, arrays, at)
+    else:
+        pieces += _row_blocks([(la.v_type, la.v_row_size) for la in layers], infos, views, at)
+    if n_stream > 1:
+        pieces.append(memoryview(bytes(4 * (n_stream - 1))))  # the other streams: cell_count = 0
+    if infos[-1].rest_nbytes:  # the window or recurrent state, as llama.cpp wrote it after the cache
+        pieces.append(views[-1][infos[-1].nbytes - infos[-1].rest_nbytes:])
+    return pieces
+
+
+def _recurrent_pieces(payloads: Sequence[BytesLike], infos: list[ChunkInfo], toks: np.ndarray) -> list[memoryview]:
+    """The restore file of a recurrent state alone: the header and tokens, then its memory state."""
+    if len(infos) > 1:
+        raise StateFormatError("a payload without KV layers is a whole state: it cannot follow chunks")
+    head = np.empty(HEADER_BYTES + 4 * toks.size, np.uint8)
+    struct.pack_into("<III", head.data, 0, GGSQ_MAGIC, GGSQ_VERSION, toks.size)
+    head[HEADER_BYTES:].view("<i4")[:] = toks
+    return [head.data, as_uint8(payloads[0]).data[infos[0].data_offset:]]
+
+
+def _empty_state(n_stream: int) -> memoryview:
+    """A restore file of no tokens: the header and ``n_stream`` empty streams."""
+    empty = np.zeros(HEADER_BYTES + 4 + 4 * n_stream, np.uint8)
+    struct.pack_into("<IIII", empty.data, 0, GGSQ_MAGIC, GGSQ_VERSION, 0, n_stream)
+    return empty.data
+
+
+def _restore_head(toks: np.ndarray, n_stream: int, v_trans: bool, n_layer: int) -> memoryview:
+    """Everything before the first layer's K rows: header, tokens, stream count, cells, V layout.
+
+    One cell per token, at positions ``0..n-1``, of sequence 0, in stream 0.
+    """
+    n_cells = int(toks.size)
     meta_at = HEADER_BYTES + 4 * n_cells + 8
     head = np.empty(meta_at + CELL_DTYPE.itemsize * n_cells + 8, np.uint8)
     struct.pack_into("<III", head.data, 0, GGSQ_MAGIC, GGSQ_VERSION, n_cells)
-    head[HEADER_BYTES : HEADER_BYTES + 4 * n_cells].view("<i4")[:] = toks[:n_cells]
+    head[HEADER_BYTES : HEADER_BYTES + 4 * n_cells].view("<i4")[:] = toks
     struct.pack_into("<II", head.data, HEADER_BYTES + 4 * n_cells, n_stream, n_cells)
     cells = head[meta_at : meta_at + CELL_DTYPE.itemsize * n_cells].view(CELL_DTYPE)
     cells["pos"] = np.arange(n_cells, dtype=np.int32)
     cells["n_seq_id"] = 1
     cells["seq_id"] = 0
-    struct.pack_into("<II", head.data, head.size - 8, int(v_trans), len(layers))
-    pieces = [head.data]
-    arrays = [as_uint8(p) for p in payloads]
-    views = [a.data for a in arrays]
-    at = [i.data_offset for i in infos]
-    # The transposed V blocks, one buffer for all layers.
-    v_blocks = np.empty(n_cells * sum(la.v_row_size for la in layers) if transposing else 0, np.uint8)
-    v_used = 0
-    for part in ("k", "v"):  # every layer's K block, then every layer's V block
-        for il, la in enumerate(layers):
-            if part == "v" and transposing:
-                el = els[il]
-                if v_trans:
-                    pieces.append(memoryview(V_TRANS_HEAD.pack(la.v_type, el, la.v_row_size // el)))
-                else:
-                    pieces.append(memoryview(ROW_HEAD.pack(la.v_type, la.v_row_size)))
-                end = _place_v(v_blocks, v_used, la.v_row_size, el, v_trans, n_cells, infos, arrays, at)
-                pieces.append(v_blocks.data[v_used:end])
-                v_used = end
-                continue
-            ggml_type, row = (la.k_type, la.k_row_size) if part == "k" else (la.v_type, la.v_row_size)
-            pieces.append(memoryview(ROW_HEAD.pack(ggml_type, row)))
-            for j, info in enumerate(infos):
-                nb = info.n_cells * row
-                pieces.append(views[j][at[j] : at[j] + nb])
-                at[j] += nb
-    if n_stream > 1:
-        pieces.append(memoryview(bytes(4 * (n_stream - 1))))  # the other streams: cell_count = 0
-    if infos[-1].rest_nbytes:  # the window or recurrent state, as llama.cpp wrote it after the cache
-        pieces.append(views[-1][infos[-1].nbytes - infos[-1].rest_nbytes:])
+    struct.pack_into("<II", head.data, head.size - 8, int(v_trans), n_layer)
+    return head.data
+
+
+def _row_blocks(
+    heads: list[tuple[int, int]], infos: list[ChunkInfo], views: list[memoryview], at: list[int],
+) -> list[memoryview]:
+    """Each layer's rows as the payloads hold them: its ``(type, row size)`` header, then each
+    payload's rows of it, views into the payloads (``at``: where each payload's next block starts)."""
+    pieces = []
+    for ggml_type, row in heads:
+        pieces.append(memoryview(ROW_HEAD.pack(ggml_type, row)))
+        for j, info in enumerate(infos):
+            nb = info.n_cells * row
+            pieces.append(views[j][at[j] : at[j] + nb])
+            at[j] += nb
+    return pieces
+
+
+def _transposed_v_blocks(
+    layers: tuple[ChunkLayer, ...], els: list[int], v_trans: bool, infos: list[ChunkInfo],
+    arrays: list[np.ndarray], at: list[int],
+) -> list[memoryview]:
+    """Each layer's V header and V block in the target's layout, built into one buffer for all layers
+    (each element row of a transposed layer interleaves all payloads)."""
+    n_cells = sum(i.n_cells for i in infos)
+    v_blocks = np.empty(n_cells * sum(la.v_row_size for la in layers), np.uint8)
+    pieces: list[memoryview] = []
+    used = 0
+    for la, el in zip(layers, els):
+        if v_trans:
+            pieces.append(memoryview(V_TRANS_HEAD.pack(la.v_type, el, la.v_row_size // el)))
+        else:
+            pieces.append(memoryview(ROW_HEAD.pack(la.v_type, la.v_row_size)))
+        end = _place_v(v_blocks, used, la.v_row_size, el, v_trans, n_cells, infos, arrays, at)
+        pieces.append(v_blocks.data[used:end])
+        used = end
     return pieces
 
 
