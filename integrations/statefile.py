@@ -1,7 +1,7 @@
 """llama.cpp sequence-state files ('ggsq' version 3): the format, and ``SeqState``, its parsed model.
 
 ``stateparse`` reads a file into a ``SeqState`` (zero-copy), ``statewrite`` writes one back
-(byte-exact); ``chunks`` cuts one into prefix chunks. This module knows the layout and what a
+(byte-exact); ``chunksplit`` cuts one into prefix chunks. This module knows the layout and what a
 state holds: whether it can be stored as prefix chunks, and where its *rest* starts.
 
 What ``POST /slots/{id}?action=save`` writes (``llama_context::state_seq_save_file``)::
