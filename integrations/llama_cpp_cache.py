@@ -66,14 +66,13 @@ from .fingerprint import layout_fingerprint, memory_identity, model_identity
 from .llama_cpp_state import (
     ContextInfo,
     context_tokens,
-    image_from_llama_state,
     load_seq_image,
     probe_context,
     read_seq_image,
+    state_to_store,
     whole_state_bytes,
 )
 from .memkind import MemoryKind
-from .statefile import SeqState
 from .stateparse import parse_state
 from .syncstore import DEFAULT_CAPACITY, DEFAULT_SHARED_CAPACITY, DEFAULT_TIMEOUT, SyncStore
 
@@ -401,7 +400,7 @@ class KVTierCache(BaseLlamaCache):
     def _save(self, key: np.ndarray, value: LlamaState | None) -> StoreResult | None:
         t0 = time.perf_counter()
         llm, ns = self.llm, self.namespace
-        picked = _state_to_store(llm, self.info, key, value, ns.chunk_tokens)
+        picked = state_to_store(llm, self.info, key, value, ns.chunk_tokens)
         if picked is None:
             return None
         tokens, state = picked
@@ -436,28 +435,6 @@ class KVTierCache(BaseLlamaCache):
 
 
 # -- module-level helpers -------------------------------------------------------------------------
-
-
-def _state_to_store(llm: Llama, info: ContextInfo, key: np.ndarray, value: LlamaState | None,
-                    chunk_tokens: int) -> tuple[np.ndarray, SeqState] | None:
-    """The state ``cache[key] = value`` should store: the bound context's sequence when it holds
-    ``key``'s start (read per sequence, cheaper than ``value``'s whole-context copy), else the
-    value's own bytes (another ``Llama`` shares this cache); None when it holds no full chunk.
-
-    A state with a rest is read per sequence only: a whole-context state keeps a sliding window's
-    masked cells too (``llama_kv_cache::state_write`` drops them only for one sequence), which a
-    cut window must not hold."""
-    held = context_tokens(llm)
-    if held.size and held.size <= key.size and np.array_equal(held, key[: held.size]):
-        tokens, image = held, None
-    elif value is not None and int(value.n_tokens) >= chunk_tokens and not info.memory_kind.has_rest:
-        tokens, image = as_token_array(np.asarray(value.input_ids[: value.n_tokens])), value
-    else:
-        return None
-    if tokens.size < chunk_tokens and not info.memory_kind.has_rest:  # a state with a rest is stored as a tail alone
-        return None
-    raw = read_seq_image(llm, tokens=tokens) if image is None else image_from_llama_state(image, info.arch_header)
-    return tokens, parse_state(raw)
 
 
 def _cache_of(llm: Llama, cache: KVTierCache | None) -> KVTierCache:

@@ -298,3 +298,25 @@ def probe_context(llm: Any) -> ContextInfo:
     reason = kv.split_reason if kv.cell_ext else None
     return ContextInfo(arch_header, state.n_stream, bool(state.v_trans), layout, int(llm.n_ctx()), reason,
                        state.memory_kind)
+
+
+def state_to_store(llm: Any, info: ContextInfo, key: np.ndarray, value: Any,
+                   chunk_tokens: int) -> tuple[np.ndarray, SeqState] | None:
+    """The state ``cache[key] = value`` should store: the bound context's sequence when it holds
+    ``key``'s start (read per sequence, cheaper than ``value``'s whole-context copy), else the
+    value's own bytes (another ``Llama`` shares this cache); None when it holds no full chunk.
+
+    A state with a rest is read per sequence only: a whole-context state keeps a sliding window's
+    masked cells too (``llama_kv_cache::state_write`` drops them only for one sequence), which a
+    cut window must not hold."""
+    held = context_tokens(llm)
+    if held.size and held.size <= key.size and np.array_equal(held, key[: held.size]):
+        tokens, image = held, None
+    elif value is not None and int(value.n_tokens) >= chunk_tokens and not info.memory_kind.has_rest:
+        tokens, image = as_token_array(np.asarray(value.input_ids[: value.n_tokens])), value
+    else:
+        return None
+    if tokens.size < chunk_tokens and not info.memory_kind.has_rest:  # a state with a rest is stored as a tail alone
+        return None
+    raw = read_seq_image(llm, tokens=tokens) if image is None else image_from_llama_state(image, info.arch_header)
+    return tokens, parse_state(raw)
