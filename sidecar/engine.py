@@ -291,9 +291,7 @@ class KVEngine:
         part of an answer), which a re-prompt with the same start reuses on llama-server alone: it
         is saved and stored too, as what the slot holds (never as a session's turn).
         """
-        record = plan.lease.table.slots[plan.lease.slot]
-        record.served = record.saving = True
-        record.answered = (plan.tokens, plan.salt) if ok else None
+        plan.lease.table.begin_save(plan.lease.slot, (plan.tokens, plan.salt) if ok else None)
         answered = time.perf_counter()
         task = asyncio.get_running_loop().create_task(self._save_then_release(plan, ok, answer, answered, cut))
         self._pending.add(task)
@@ -303,14 +301,10 @@ class KVEngine:
     async def _save_then_release(self, plan: RequestPlan, ok: bool, answer: bytes | None, answered: float,
                                  cut: bool = False) -> None:
         lease = plan.lease
-        record = lease.table.slots[lease.slot]
 
         def free() -> None:
             """The slot may serve its next request (once: a next request may take it at once)."""
-            if not lease.released:
-                record.saving = False
-                record.answered = None
-                lease.release()
+            lease.table.end_save(lease)
 
         # Other nodes learn first that this save is coming: a next turn of this conversation that
         # reaches one of them may wait for it rather than recompute (saver.in_flight). The slot is
@@ -365,7 +359,7 @@ class KVEngine:
         def read() -> None:
             # After the save set the slot's tokens (and so forgot what it answered).
             if ok:
-                table.slots[lease.slot].asked = plan.asked
+                table.record_asked(lease.slot, plan.asked)
             free()
 
         if plan.session_id is not None:

@@ -70,9 +70,7 @@ class RestoreWriter:
         done = Restored(got.n_tokens, max(got.tiers, key=order.index), (time.perf_counter() - t0) * 1000,
                         chunks, TailRecord(got.tail.key, got.n_tokens) if got.tail is not None else None)
         self._count(done, nbytes, cached)
-        lease.table.set_tokens(slot, tokens[:done.n_tokens].copy(), owner=owner)
-        if done.tail is not None:
-            lease.table.slots[slot].tail = done.tail
+        lease.table.record_restore(slot, tokens[:done.n_tokens].copy(), owner=owner, tail=done.tail)
         log.info("slot %d: restored %d tokens from %s in %.1f ms", slot, done.n_tokens, done.tier, done.ms)
         return done
 

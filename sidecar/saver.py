@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from integrations.kvflow import Publisher, TailRecord, pending_save, save_session, store_state
+from integrations.kvflow import Publisher, pending_save, save_session, store_state
 from integrations.statefile import SeqState
 from tiers.errors import KVTierError
 from tiers.keys import Namespace
@@ -21,7 +21,7 @@ from tiers.store import TieredStore
 from .costmodel import CostModel
 from .metrics import Metrics
 from .slotfiles import SlotFiles
-from .slots import SlotTable
+from .slots import SavedSlot, SlotTable
 
 log = logging.getLogger("kvtier.engine")
 
@@ -78,7 +78,7 @@ class Saver:
             await self.save_slot(table, slot, namespace, owner=owner)
             # Kept when the answer's state is stored: that one does not replace it for a next
             # prompt that drops the answer (store_state deletes the tail it supersedes).
-            table.slots[slot].tail = None
+            table.drop_tail(slot)
         except Exception as exc:  # best-effort: the request goes on, its prompt computed as ever
             self.metrics.prompt_end_saves.labels("failed").inc()
             log.warning("slot %d: the state at the prompt's end was not saved: %s", slot, exc)
@@ -97,15 +97,12 @@ class Saver:
         """
         t0 = time.perf_counter()
         state = await self.files.save(slot, "save")
-        record = table.slots[slot]
-        previous, previous_tail = record.tokens, record.tail
-        table.set_tokens(slot, state.tokens.tokens.copy(), owner=owner)
-        saved = record.tokens  # the very array: a next request that changes the slot replaces it
+        saved = table.record_saved(slot, state.tokens.tokens.copy(), owner)
         if read is not None:
             read()
         async with self._storing.setdefault(slot, asyncio.Lock()):
             if state.store_reason is None:
-                await self._store(table, slot, namespace, state, saved, previous, previous_tail)
+                await self._store(table, slot, namespace, state, saved)
             elif state.n_tokens and not self._warned_unsplittable:
                 # Prefix restore needs chunks; such states are kept only by explicit session saves.
                 self._warned_unsplittable = True
@@ -114,19 +111,17 @@ class Saver:
         self.metrics.save_seconds.observe(time.perf_counter() - t0)
         return state
 
-    async def _store(self, table: SlotTable, slot: int, namespace: Namespace, state: SeqState, saved: np.ndarray,
-                     previous: np.ndarray, previous_tail: TailRecord | None) -> None:
-        stored = await store_state(self.store, namespace, state, events=self.events, previous=previous_tail,
-                                   previous_tokens=previous)
+    async def _store(self, table: SlotTable, slot: int, namespace: Namespace, state: SeqState,
+                     saved: SavedSlot) -> None:
+        stored = await store_state(self.store, namespace, state, events=self.events, previous=saved.previous_tail,
+                                   previous_tokens=saved.previous)
         if stored.chunks is not None:
             self.metrics.bytes_saved.inc(stored.chunks.bytes_encoded)
         if stored.tail_error is not None:  # the chunks are stored: a hop recomputes the tail, no more
             self.metrics.cache_errors.labels("save").inc()
             log.warning("storing slot %d's partial tail failed: %s", slot, stored.tail_error)
-        # The slot's record, unless a next request changed what it holds meanwhile (restored into
-        # it, or was saved): then this tail is no longer the one it holds.
-        if (stored.tail_error is None or stored.tail_stored) and table.slots[slot].tokens is saved:
-            table.slots[slot].tail = stored.tail
+        if stored.tail_error is None or stored.tail_stored:
+            table.record_tail(slot, saved, stored.tail)
         if stored.tail_stored:
             self.metrics.tails.labels("stored").inc()
         if stored.tail_deleted:

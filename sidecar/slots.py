@@ -3,6 +3,10 @@
 Each slot is used by one request at a time (a per-slot lock, held through the request and the save
 that follows it). More requests than slots wait in one FIFO queue, so they are served in arrival
 order; a waiter is handed the best idle slot for its own prompt when its turn comes.
+
+``SlotTable`` is the only writer of a slot's record: the other parts read ``Slot`` and tell the table
+what happened (a restore, the begin and end of a save, what a save read and stored, a slot found
+emptied), one method per transition.
 """
 
 from __future__ import annotations
@@ -43,6 +47,8 @@ def continues(held: Asked, asked: Asked) -> bool:
 
 @dataclass(slots=True)
 class Slot:
+    """What kvtier knows of one slot (written by its ``SlotTable`` only)."""
+
     id: int
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
     busy: bool = False
@@ -69,6 +75,15 @@ class Slot:
         if self.saving and self.answered is not None and self.answered[0].size > self.tokens.size:
             return self.answered
         return self.tokens, self.owner
+
+
+@dataclass(frozen=True, slots=True)
+class SavedSlot:
+    """What a save recorded of a slot: the tokens it read, and what the slot held before."""
+
+    tokens: np.ndarray  # the very array the slot table holds (``is`` tells whether it changed since)
+    previous: np.ndarray
+    previous_tail: TailRecord | None
 
 
 @dataclass(slots=True, eq=False)
@@ -230,6 +245,66 @@ class SlotTable:
         self.slots[slot].unknown = False
         if owner is not None:
             self.slots[slot].owner = owner
+
+    # -- what a slot holds: every change goes through one of these ---------------------------------
+
+    def record_restore(self, slot: int, tokens: np.ndarray, *, owner: str, tail: TailRecord | None) -> None:
+        """A restore put ``tokens`` into ``slot`` for tenant ``owner``, and ``tail`` when it restored
+        one (the next save of the slot replaces that tail; none restored keeps the one recorded)."""
+        self.set_tokens(slot, tokens, owner=owner)
+        if tail is not None:
+            self.slots[slot].tail = tail
+
+    def begin_save(self, slot: int, answered: tuple[np.ndarray, str] | None) -> None:
+        """An answer ended in ``slot`` and its save begins: the slot is saving, and holds at least
+        ``answered`` (the prompt it answered and its tenant; None for a failed request)."""
+        record = self.slots[slot]
+        record.served = record.saving = True
+        record.answered = answered
+
+    def end_save(self, lease: Lease) -> None:
+        """The save after an answer has read the slot (or will not read it): give the slot back for
+        its next request. Once: a next request may hold the slot by a later call."""
+        if lease.released:
+            return
+        record = self.slots[lease.slot]
+        record.saving = False
+        record.answered = None
+        lease.release()
+
+    def record_saved(self, slot: int, tokens: np.ndarray, owner: str) -> SavedSlot:
+        """A save read ``tokens`` from ``slot`` (tenant ``owner``); returns what the slot held
+        before and the array it holds now (a later change of the slot replaces that array)."""
+        record = self.slots[slot]
+        previous, previous_tail = record.tokens, record.tail
+        self.set_tokens(slot, tokens, owner=owner)
+        return SavedSlot(record.tokens, previous, previous_tail)
+
+    def record_tail(self, slot: int, saved: SavedSlot, tail: TailRecord | None) -> None:
+        """The tail stored from the save ``saved``, unless the slot changed since (a next request
+        restored into it, or was saved): then this tail is no longer the one it holds."""
+        if self.slots[slot].tokens is saved.tokens:
+            self.slots[slot].tail = tail
+
+    def drop_tail(self, slot: int) -> None:
+        """Keep the tail ``slot`` stored last from its next save's replacing it (``store_state``
+        deletes the tail a save supersedes)."""
+        self.slots[slot].tail = None
+
+    def record_asked(self, slot: int, asked: Asked) -> None:
+        """What the request whose answer ``slot`` holds asked (for its follow-ups): set after the
+        save recorded the slot's tokens, which forgets what it asked before."""
+        self.slots[slot].asked = asked
+
+    def emptied(self, slot: int) -> None:
+        """llama-server reports ``slot`` empty (erased behind kvtier's back): it holds nothing and
+        counts as never served (it reports no token count then)."""
+        self.set_tokens(slot, np.zeros(0, np.int32))
+        self.slots[slot].served = False
+
+    def resyncing(self, slot: int, held: int) -> None:
+        """kvtier reads ``slot`` again since llama-server reports ``held`` tokens (once per count)."""
+        self.slots[slot].resynced = held
 
     def note_tasks(self, infos: list[dict[str, Any]]) -> bool:
         """Record each slot's last task id from llama-server's ``/slots``; True when one is lower

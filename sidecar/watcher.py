@@ -331,13 +331,12 @@ async def sync_slots(files: SlotFiles, table: SlotTable, infos: list[dict[str, A
         if held is None and not slot.served:
             continue
         if not held and slot.tokens.size:
-            table.set_tokens(slot_id, np.zeros(0, np.int32))
-            slot.served = False
+            table.emptied(slot_id)
             lost += 1
         elif held and int(held) != slot.tokens.size and slot.resynced != int(held):
             # Once per count: should a state's token count ever differ from the server's own
             # figure, this must not become a slot save every few seconds.
-            slot.resynced = int(held)
+            table.resyncing(slot_id, int(held))
             if await _resync(files, table, slot_id):
                 log.info("slot %d was used without kvtier: it now holds %d tokens", slot_id, int(held))
     if lost:
