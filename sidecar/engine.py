@@ -3,7 +3,7 @@
     prompt tokens (prompts) -> a slot (slots: the table, a lease bound to it)
       -> what the tiers hold and whether to restore it (planner) -> fetch + load into the slot (restorer)
       -> the request is forwarded and answered (proxy)
-      -> after the answer: save the slot, store its new chunks and tail, announce them (saver)
+      -> after the answer: save the slot, store its new chunks and tail, announce them (aftercare, saver)
 
 ``ServerWatcher`` (watcher) knows the llama-server behind all of it: slots, KV layout, the model's
 identity, and notices when it changes. Every cache step is best-effort: any failure is logged and
@@ -13,31 +13,28 @@ with the prompt itself, so a slot that holds less than we hoped only costs time,
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from integrations.llama_server import LlamaServerClient, LlamaServerError, Timings
-from integrations.memkind import MemoryKind
+from integrations.llama_server import LlamaServerClient, LlamaServerError
 from tiers.base import TierRole
 from tiers.errors import KVTierError
 from tiers.events import EventBus
 from tiers.keys import Namespace
 from tiers.pending import PendingSaves
 from tiers.sessions import Manifest, SessionNotFound, SessionStore
-from tiers.store import FetchResult, TieredStore
+from tiers.store import TieredStore
 
+from .aftercare import Aftercare
 from .config import Settings
 from .costmodel import CostModel
 from .metrics import Metrics
 from .planner import EarlyLookup, RestorePlanner, WaitBudget
 from .prompts import Prompt, PromptTokens
+from .requestplan import NO_TOKENS, RequestPlan
 from .restorer import Restored, RestoreWriter
 from .saver import Saver
 from .slotfiles import SlotFiles
@@ -45,39 +42,6 @@ from .slots import FOLLOW_UP_MAX_CHARS, Asked, Lease, SlotTable
 from .watcher import ServerWatcher, Target, Witness
 
 log = logging.getLogger("kvtier.engine")
-
-SAVE_DELAY_S = 0.01  # between delivering an answer and saving its slot
-NO_TOKENS = np.zeros(0, np.int32)
-NO_TOKENS.flags.writeable = False
-
-
-@dataclass(slots=True)
-class RequestPlan:
-    """One request's cache work: its tokens, its slot, and what was restored."""
-
-    tokens: np.ndarray
-    lease: Lease
-    namespace: Namespace
-    salt: str = ""
-    session_id: str | None = None
-    prompt: Prompt | None = None  # checked against the tokens llama-server saves
-    restored_tokens: int = 0
-    restore_tier: str = ""
-    restore_ms: float = 0.0
-    overhead_ms: float = 0.0
-    fetched: FetchResult | None = None  # promoted into the local tiers after the answer
-    asked: Asked = ()  # what the request asked, remembered with its slot (follow-ups)
-    follow_up: bool = False  # sent to the slot holding what it continues, without tokens
-    # A session restored for this request: the save after the answer records its use (a touch
-    # when there is none), so the restore does not wait for a manifest write.
-    restored_session: Manifest | None = None
-    # The llama-server identity it was planned in (``ServerWatcher.generation``): a slot read after
-    # another process answers there is not stored.
-    generation: int = 0
-    sharing: int = 0  # other slots computing when it got its slot (the prefill rate is learned by it)
-
-    def took(self, restored: Restored) -> None:
-        self.restored_tokens, self.restore_tier, self.restore_ms = restored.n_tokens, restored.tier, restored.ms
 
 
 def _session_tier(store: TieredStore, sessions: SessionStore) -> str:
@@ -88,7 +52,7 @@ def _session_tier(store: TieredStore, sessions: SessionStore) -> str:
 
 
 class KVEngine:
-    """The sidecar's cache: composes the watcher, planner, restorer and saver around each request."""
+    """The sidecar's cache: composes the watcher, planner, restorer, saver and aftercare around each request."""
 
     def __init__(self, settings: Settings, client: LlamaServerClient, store: TieredStore, metrics: Metrics,
                  sessions: SessionStore, *, events: EventBus | None = None,
@@ -109,7 +73,8 @@ class KVEngine:
                            pending=pending)
         self.session_slots: dict[str, int] = {}  # session id -> the slot that served it last
         self._session_tier = _session_tier(store, sessions)
-        self._pending: set[asyncio.Task[None]] = set()
+        self.aftercare = Aftercare(self.watcher, self.planner, self.saver, store, sessions, self.prompts, metrics,
+                                   self.session_slots)
 
     # -- the server, as the watcher knows it ------------------------------------------------------
 
@@ -284,107 +249,9 @@ class KVEngine:
     # -- after the request ------------------------------------------------------------------------
 
     def finish(self, plan: RequestPlan, *, ok: bool, answer: bytes | None, cut: bool = False) -> None:
-        """Save the slot in the background and release it; the answer (its end, for streams) is
-        read for its timings there too, after it has been delivered.
-
-        ``cut``: the client left while llama-server answered. The slot still holds the prompt (and
-        part of an answer), which a re-prompt with the same start reuses on llama-server alone: it
-        is saved and stored too, as what the slot holds (never as a session's turn).
-        """
-        plan.lease.table.begin_save(plan.lease.slot, (plan.tokens, plan.salt) if ok else None)
-        answered = time.perf_counter()
-        task = asyncio.get_running_loop().create_task(self._save_then_release(plan, ok, answer, answered, cut))
-        self._pending.add(task)
-        self.metrics.pending_saves.set(len(self._pending))
-        task.add_done_callback(self._pending.discard)
-
-    async def _save_then_release(self, plan: RequestPlan, ok: bool, answer: bytes | None, answered: float,
-                                 cut: bool = False) -> None:
-        lease = plan.lease
-
-        def free() -> None:
-            """The slot may serve its next request (once: a next request may take it at once)."""
-            lease.table.end_save(lease)
-
-        # Other nodes learn first that this save is coming: a next turn of this conversation that
-        # reaches one of them may wait for it rather than recompute (saver.in_flight). The slot is
-        # free again once its state is read; the markers stay until Redis holds what was stored.
-        async with self.saver.in_flight(plan.namespace, plan.tokens if ok else NO_TOKENS):
-            try:
-                stored = await self._save(plan, ok, answer, free, cut=cut and plan.session_id is None)
-            except Exception as exc:
-                # A failed save (a full slot dir, an unreachable tier) leaves the slot as it was:
-                # what the table knows of it (what was restored or saved last) is still a prefix of it.
-                self.metrics.cache_errors.labels("save").inc()
-                log.warning("saving slot %d failed: %s", lease.slot, exc)
-                return
-            finally:
-                free()
-                self.metrics.pending_saves.set(max(len(self._pending) - 1, 0))
-                if plan.fetched is not None:  # after the slot is free: no one waits on this copy
-                    fetched, plan.fetched = plan.fetched, None
-                    await self.store.promote(fetched)
-            if stored:
-                await self.saver.readable(answered, int(plan.tokens.size))
-
-    async def _save(self, plan: RequestPlan, ok: bool, answer: bytes | None, free: Callable[[], None], *,
-                    cut: bool = False) -> bool:
-        """Learn from the answer, then save the slot's state; False when nothing was stored.
-        ``free`` gives the slot back as soon as its state is read (or nothing is to be read);
-        ``cut`` as in ``finish``."""
-        lease = plan.lease
-        table = lease.table
-        # Let the answer's last bytes reach the client first: on a small host the save (llama-server
-        # writing the slot file, kvtier splitting it) would compete for the CPU with its delivery.
-        await asyncio.sleep(SAVE_DELAY_S)
-        expected = max(plan.restored_tokens, plan.lease.cached_tokens)
-        target = self.watcher.target
-        if answer is not None and not self.planner.learn(
-                Timings.from_answer(answer), int(plan.tokens.size), expected, lease.slot, follow_up=plan.follow_up,
-                restored=plan.restored_tokens, layout=target.memory_kind if target is not None else MemoryKind.KV,
-                sharing=plan.sharing):
-            self.watcher.doubt()  # a restart it has not noticed yet? Check before the next request
-        if not ok and not cut:
-            # Nothing from a failed request is cached; what the slot holds now is unknown.
-            table.forget(lease.slot)
-            free()
-            if plan.restored_session is not None:  # no save records the session's use
-                await self.sessions.touch(plan.namespace, plan.restored_session)
-            await self._server_changed(plan)  # counted when a restart broke the answer off
-            return False
-        if await self._server_changed(plan):
-            table.forget(lease.slot)
-            return False
-
-        def read() -> None:
-            # After the save set the slot's tokens (and so forgot what it answered).
-            if ok:
-                table.record_asked(lease.slot, plan.asked)
-            free()
-
-        if plan.session_id is not None:
-            manifest = await self.save_session(lease, plan.namespace, plan.session_id, owner=plan.salt, read=read)
-            self.prompts.check(plan.prompt, manifest.tokens)
-        else:
-            state = await self.saver.save_slot(table, lease.slot, plan.namespace, owner=plan.salt, read=read)
-            if ok:  # a cut answer's slot may hold part of the prompt only
-                self.prompts.check(plan.prompt, state.tokens.tokens)
-        return True
-
-    async def _server_changed(self, plan: RequestPlan) -> bool:
-        """Whether another llama-server process answers now than the one ``plan`` was planned for
-        (it restarted or changed since; counted). What its slot holds then may be another model's
-        KV, which must never go under this namespace. Noticing the same process again (the health
-        loop, a closed witness) changes nothing here."""
-        if await self.watcher.ensure_ready() and self.watcher.generation == plan.generation:
-            return False
-        self.metrics.cache_errors.labels("server_changed").inc()
-        log.warning("slot %d: llama-server changed during the request; its state is not stored", plan.lease.slot)
-        return True
+        """Save the slot in the background and release it (``Aftercare.finish``)."""
+        self.aftercare.finish(plan, ok=ok, answer=answer, cut=cut)
 
     async def drain(self, timeout: float) -> bool:
         """Wait for pending saves (graceful shutdown)."""
-        if not self._pending:
-            return True
-        _, pending = await asyncio.wait(set(self._pending), timeout=timeout)
-        return not pending
+        return await self.aftercare.drain(timeout)

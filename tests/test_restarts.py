@@ -22,7 +22,7 @@ import pytest
 import pytest_asyncio
 import redis
 
-from sidecar import engine as engine_module
+from sidecar import aftercare as aftercare_module
 from sidecar.config import Settings
 from tests.ggufgen import ModelShape, write_random_llama
 from tests.servers import LlamaServer, RedisProc, llama_server, smollm2_path
@@ -98,7 +98,7 @@ async def test_a_turn_planned_before_a_restart_does_not_judge_the_new_server(
     llama, sc = node
     assert await sc.engine.ensure_ready()
     await settle(sc)
-    monkeypatch.setattr(engine_module, "SAVE_DELAY_S", 6.0)  # room for a restart before the save
+    monkeypatch.setattr(aftercare_module, "SAVE_DELAY_S", 6.0)  # room for a restart before the save
     assert sc.metric("kvtier_prompt_in_process", step="render") == 1
     mismatches = sc.metric("kvtier_prompt_mismatches_total", step="render")
     skipped = sc.metric("kvtier_cache_errors_total", stage="server_changed")

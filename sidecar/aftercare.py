@@ -1,0 +1,163 @@
+"""After the answer: learn from its timings, save the slot, give it back, store what it holds.
+
+``KVEngine.finish`` hands each answered request here; the save runs in the background, one task per
+request, which ``drain`` waits for at shutdown. Other nodes are told first that the save is coming
+(pending-save marks, ``integrations.flows.SaveMarks``); the slot serves its next request as soon as
+its state is read; the marks go once Redis holds what was stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from integrations.llama_server import Timings
+from integrations.memkind import MemoryKind
+from tiers.sessions import SessionStore
+from tiers.store import TieredStore
+
+from .metrics import Metrics
+from .planner import RestorePlanner
+from .prompts import PromptTokens
+from .requestplan import NO_TOKENS, RequestPlan
+from .saver import Saver
+from .watcher import ServerWatcher
+
+log = logging.getLogger("kvtier.engine")
+
+SAVE_DELAY_S = 0.01  # between delivering an answer and saving its slot
+
+
+class Aftercare:
+    """Saves each answered request's slot in the background and releases it; owns those tasks.
+
+    Args:
+        session_slots: the engine's map of session id to the slot that served it last; a
+            session saved after its answer is recorded there.
+    """
+
+    def __init__(self, watcher: ServerWatcher, planner: RestorePlanner, saver: Saver, store: TieredStore,
+                 sessions: SessionStore, prompts: PromptTokens, metrics: Metrics, session_slots: dict[str, int]):
+        self.watcher = watcher
+        self.planner = planner
+        self.saver = saver
+        self.store = store
+        self.sessions = sessions
+        self.prompts = prompts
+        self.metrics = metrics
+        self.session_slots = session_slots
+        self._pending: set[asyncio.Task[None]] = set()
+
+    def finish(self, plan: RequestPlan, *, ok: bool, answer: bytes | None, cut: bool = False) -> None:
+        """Save the slot in the background and release it; the answer (its end, for streams) is
+        read for its timings there too, after it has been delivered.
+
+        ``cut``: the client left while llama-server answered. The slot still holds the prompt (and
+        part of an answer), which a re-prompt with the same start reuses on llama-server alone: it
+        is saved and stored too, as what the slot holds (never as a session's turn).
+        """
+        plan.lease.table.begin_save(plan.lease.slot, (plan.tokens, plan.salt) if ok else None)
+        answered = time.perf_counter()
+        task = asyncio.get_running_loop().create_task(self._save_then_release(plan, ok, answer, answered, cut))
+        self._pending.add(task)
+        self.metrics.pending_saves.set(len(self._pending))
+        task.add_done_callback(self._pending.discard)
+
+    async def drain(self, timeout: float) -> bool:
+        """Wait for the saves in flight (graceful shutdown); False when ``timeout`` passed first."""
+        if not self._pending:
+            return True
+        _, pending = await asyncio.wait(set(self._pending), timeout=timeout)
+        return not pending
+
+    async def _save_then_release(self, plan: RequestPlan, ok: bool, answer: bytes | None, answered: float,
+                                 cut: bool = False) -> None:
+        lease = plan.lease
+
+        def free() -> None:
+            """The slot may serve its next request (once: a next request may take it at once)."""
+            lease.table.end_save(lease)
+
+        # Other nodes learn first that this save is coming: a next turn of this conversation that
+        # reaches one of them may wait for it rather than recompute (saver.in_flight). The slot is
+        # free again once its state is read; the markers stay until Redis holds what was stored.
+        async with self.saver.in_flight(plan.namespace, plan.tokens if ok else NO_TOKENS):
+            try:
+                stored = await self._save(plan, ok, answer, free, cut=cut and plan.session_id is None)
+            except Exception as exc:
+                # A failed save (a full slot dir, an unreachable tier) leaves the slot as it was:
+                # what the table knows of it (what was restored or saved last) is still a prefix of it.
+                self.metrics.cache_errors.labels("save").inc()
+                log.warning("saving slot %d failed: %s", lease.slot, exc)
+                return
+            finally:
+                free()
+                self.metrics.pending_saves.set(max(len(self._pending) - 1, 0))
+                if plan.fetched is not None:  # after the slot is free: no one waits on this copy
+                    fetched, plan.fetched = plan.fetched, None
+                    await self.store.promote(fetched)
+            if stored:
+                await self.saver.readable(answered, int(plan.tokens.size))
+
+    def _learn(self, plan: RequestPlan, answer: bytes) -> None:
+        """Learn from the answer's timings; doubt the server when it reused less than planned."""
+        target = self.watcher.target
+        if not self.planner.learn(
+                Timings.from_answer(answer), int(plan.tokens.size), max(plan.restored_tokens, plan.lease.cached_tokens),
+                plan.lease.slot, follow_up=plan.follow_up, restored=plan.restored_tokens,
+                layout=target.memory_kind if target is not None else MemoryKind.KV, sharing=plan.sharing):
+            self.watcher.doubt()  # a restart it has not noticed yet? Check before the next request
+
+    async def _save(self, plan: RequestPlan, ok: bool, answer: bytes | None, free: Callable[[], None], *,
+                    cut: bool = False) -> bool:
+        """Learn from the answer, then save the slot's state; False when nothing was stored.
+        ``free`` gives the slot back as soon as its state is read (or nothing is to be read);
+        ``cut`` as in ``finish``."""
+        lease = plan.lease
+        table = lease.table
+        # Let the answer's last bytes reach the client first: on a small host the save (llama-server
+        # writing the slot file, kvtier splitting it) would compete for the CPU with its delivery.
+        await asyncio.sleep(SAVE_DELAY_S)
+        if answer is not None:
+            self._learn(plan, answer)
+        if not ok and not cut:
+            # Nothing from a failed request is cached; what the slot holds now is unknown.
+            table.forget(lease.slot)
+            free()
+            if plan.restored_session is not None:  # no save records the session's use
+                await self.sessions.touch(plan.namespace, plan.restored_session)
+            await self._server_changed(plan)  # counted when a restart broke the answer off
+            return False
+        if await self._server_changed(plan):
+            table.forget(lease.slot)
+            return False
+
+        def read() -> None:
+            # After the save set the slot's tokens (and so forgot what it answered).
+            if ok:
+                table.record_asked(lease.slot, plan.asked)
+            free()
+
+        if plan.session_id is not None:
+            manifest = await self.saver.save_session(table, lease.slot, plan.namespace, plan.session_id,
+                                                     owner=plan.salt, read=read)
+            self.session_slots[plan.session_id] = lease.slot
+            self.prompts.check(plan.prompt, manifest.tokens)
+        else:
+            state = await self.saver.save_slot(table, lease.slot, plan.namespace, owner=plan.salt, read=read)
+            if ok:  # a cut answer's slot may hold part of the prompt only
+                self.prompts.check(plan.prompt, state.tokens.tokens)
+        return True
+
+    async def _server_changed(self, plan: RequestPlan) -> bool:
+        """Whether another llama-server process answers now than the one ``plan`` was planned for
+        (it restarted or changed since; counted). What its slot holds then may be another model's
+        KV, which must never go under this namespace. Noticing the same process again (the health
+        loop, a closed witness) changes nothing here."""
+        if await self.watcher.ensure_ready() and self.watcher.generation == plan.generation:
+            return False
+        self.metrics.cache_errors.labels("server_changed").inc()
+        log.warning("slot %d: llama-server changed during the request; its state is not stored", plan.lease.slot)
+        return True
