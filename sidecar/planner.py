@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from integrations.kvflow import PendingSave, PrefixFound, find_prefix, restorable_tokens, wait_for_pending
+from integrations.flows import find_prefix_waiting
+from integrations.kvflow import PendingSave, PrefixFound, Waited, restorable_tokens, wait_for_pending
 from integrations.llama_server import Timings, prefix_reused
 from integrations.memkind import MemoryKind
 from tiers.base import TierRole
@@ -84,14 +85,16 @@ class RestorePlanner:
         # tail) may be shorter than a chunk, so for those only the whole restorable length counts.
         if (limit if target.memory_kind.has_rest else limit // C * C) <= cached:
             return None
-        found = early.fresh_for(namespace) if early is not None else None
-        if found is None:
-            found = await find_prefix(self.store, namespace, tokens, target.shape)
-        ended = await self.wait_for_save(namespace, tokens, found, max(found.n_tokens, cached), target, slot, budget)
-        if ended is not None:
-            before, found = found.n_tokens, await find_prefix(self.store, namespace, tokens, target.shape)
-            if ended:
-                self.waited_for(before, found.n_tokens)
+        budget = budget if budget is not None else WaitBudget(self.save_wait)
+        after = await find_prefix_waiting(
+            self.store, self.pending if budget.left > 0 else None, namespace, tokens, target.shape, have=cached,
+            limit=lambda save, have: self._wait_bound(save, have, target, slot, budget.left),
+            found=early.fresh_for(namespace) if early is not None else None)
+        found = after.found
+        if after.waited is not None:
+            self._waited(after.waited, slot, budget)
+            if after.waited.ended:
+                self.waited_for(after.before, found.n_tokens)
         gain = found.n_tokens - cached
         if gain <= 0:
             return None
@@ -118,6 +121,11 @@ class RestorePlanner:
                                         n_ctx=target.n_ctx_slot)
         if waited is None:
             return None
+        self._waited(waited, slot, budget)
+        return waited.ended
+
+    def _waited(self, waited: Waited, slot: int, budget: WaitBudget) -> None:
+        """Spend a wait's time from ``budget``; count and log it."""
         budget.spend(waited.seconds)
         self.metrics.save_wait_seconds.observe(waited.seconds)
         if not waited.ended:
@@ -125,7 +133,6 @@ class RestorePlanner:
         log.info("slot %d: waited %.0f ms for %s's save of %d tokens (%s)", slot, waited.seconds * 1e3,
                  waited.save.mark.node or "another node", waited.save.mark.covers,
                  "it ended" if waited.ended else "timeout")
-        return waited.ended
 
     def waited_for(self, before: int, after: int) -> None:
         """Count what a wait that ended brought: more than ``before`` tokens (landed) or not (failed)."""
