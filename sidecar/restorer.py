@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from integrations.chunkassemble import state_pieces
+from integrations.flows import restored_tail, session_image
 from integrations.kvflow import PrefixFound, TailRecord, fetch_prefix
 from tiers.keys import Namespace
 from tiers.sessions import Manifest, SessionStore
@@ -68,7 +69,7 @@ class RestoreWriter:
             self.metrics.tails.labels("restored").inc()
         order = [t.name for t in self.store.tiers]
         done = Restored(got.n_tokens, max(got.tiers, key=order.index), (time.perf_counter() - t0) * 1000,
-                        chunks, TailRecord(got.tail.key, got.n_tokens) if got.tail is not None else None)
+                        chunks, restored_tail(got))
         self._count(done, nbytes, cached)
         lease.table.record_restore(slot, tokens[:done.n_tokens].copy(), owner=owner, tail=done.tail)
         log.info("slot %d: restored %d tokens from %s in %.1f ms", slot, done.n_tokens, done.tier, done.ms)
@@ -83,10 +84,11 @@ class RestoreWriter:
             SessionIncomplete: a chunk or the tail is gone. LlamaServerError: the restore was refused.
         """
         t0 = time.perf_counter()
-        payloads, tier = await self.sessions.fetch(namespace, manifest)
-        self.metrics.restore_phase_seconds.labels("fetch").observe(time.perf_counter() - t0)
-        nbytes, _ = await self.load(lease.slot, payloads, manifest.tokens, target)
-        done = Restored(int(manifest.tokens.size), tier or "memory", (time.perf_counter() - t0) * 1000)
+        image = await session_image(self.sessions, namespace, manifest, v_trans=target.v_trans,
+                                    n_stream=target.n_stream)
+        self.metrics.restore_phase_seconds.labels("fetch").observe(image.fetch_s)
+        nbytes, _ = await self._write(lease.slot, image.pieces, image.assemble_s)
+        done = Restored(int(manifest.tokens.size), image.tier, (time.perf_counter() - t0) * 1000)
         self._count(done, nbytes, cached)
         lease.table.set_tokens(lease.slot, manifest.tokens.copy(), owner=owner)
         return done
@@ -104,7 +106,10 @@ class RestoreWriter:
         # transposition copies half the state.
         pieces = await asyncio.to_thread(state_pieces, payloads, tokens, v_trans=target.v_trans,
                                          n_stream=target.n_stream)
-        assemble_s = time.perf_counter() - t0
+        return await self._write(slot, pieces, time.perf_counter() - t0)
+
+    async def _write(self, slot: int, pieces: list[memoryview], assemble_s: float) -> tuple[int, float]:
+        """Write the restore file ``pieces`` (laid out in ``assemble_s``) and restore it into ``slot``."""
         io = await self.files.restore(slot, pieces)
         phases = self.metrics.restore_phase_seconds
         phases.labels("assemble").observe(assemble_s)
