@@ -66,11 +66,14 @@ class Aftercare:
         task.add_done_callback(self._pending.discard)
 
     async def drain(self, timeout: float) -> bool:
-        """Wait for the saves in flight (graceful shutdown); False when ``timeout`` passed first."""
-        if not self._pending:
-            return True
-        _, pending = await asyncio.wait(set(self._pending), timeout=timeout)
-        return not pending
+        """Wait for the saves in flight and the marked stores the saver runs in the background
+        (graceful shutdown); False when ``timeout`` passed first."""
+        t0 = time.perf_counter()
+        if self._pending:
+            _, pending = await asyncio.wait(set(self._pending), timeout=timeout)
+            if pending:
+                return False
+        return await self.saver.marks.drain(max(0.0, timeout - (time.perf_counter() - t0)))
 
     async def _save_then_release(self, plan: RequestPlan, ok: bool, answer: bytes | None, answered: float,
                                  cut: bool = False) -> None:
@@ -81,9 +84,9 @@ class Aftercare:
             lease.table.end_save(lease)
 
         # Other nodes learn first that this save is coming: a next turn of this conversation that
-        # reaches one of them may wait for it rather than recompute (saver.in_flight). The slot is
+        # reaches one of them may wait for it rather than recompute (saver.marks). The slot is
         # free again once its state is read; the markers stay until Redis holds what was stored.
-        async with self.saver.in_flight(plan.namespace, plan.tokens if ok else NO_TOKENS):
+        async with self.saver.marks.held(plan.namespace, plan.tokens if ok else NO_TOKENS):
             try:
                 stored = await self._save(plan, ok, answer, free, cut=cut and plan.session_id is None)
             except Exception as exc:

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
 
 import numpy as np
 
-from integrations.kvflow import Publisher, pending_save, save_session, store_state
+from integrations.flows import SaveMarks
+from integrations.kvflow import Publisher, save_session, store_state
 from integrations.statefile import SeqState
 from tiers.errors import KVTierError
 from tiers.keys import Namespace
@@ -27,7 +27,8 @@ log = logging.getLogger("kvtier.engine")
 
 
 class Saver:
-    """Saves slots into the tiers (the flows of ``integrations.kvflow``) and keeps the slot table true."""
+    """Saves slots into the tiers (the flows of ``integrations.kvflow`` and ``integrations.flows``) and tells
+    the slot table what they read and stored."""
 
     def __init__(self, store: TieredStore, sessions: SessionStore, files: SlotFiles, metrics: Metrics,
                  cost: CostModel, *, node_id: str, events: Publisher | None = None,
@@ -40,16 +41,11 @@ class Saver:
         self.node_id = node_id
         self.events = events
         self.pending = pending
+        # Tell other nodes that a save of the prompt just answered is coming, and when Redis should
+        # hold it (from this node's past saves): their next turn of it may wait for it.
+        self.marks = SaveMarks(pending, node_id, expected=cost.expected_readable)
         self._warned_unsplittable = False
         self._storing: dict[int, asyncio.Lock] = {}  # per slot: its stores in order
-
-    def in_flight(self, namespace: Namespace, tokens: np.ndarray) -> contextlib.AbstractAsyncContextManager[None]:
-        """Tell other nodes, for the duration of the block, that a save of a state starting with
-        ``tokens`` (the prompt just answered) is coming, and when Redis should hold it: their next
-        turn of it may wait for it."""
-        expected = self.cost.expected_readable(int(tokens.size))
-        ready_at = time.time() + expected if expected is not None else 0.0
-        return pending_save(self.pending, namespace, tokens, self.node_id, ready_at=ready_at)
 
     async def readable(self, answered: float, n_tokens: int) -> None:
         """Wait until Redis holds what was stored so far, a save of ``n_tokens``; observe the time
@@ -120,8 +116,7 @@ class Saver:
         if stored.tail_error is not None:  # the chunks are stored: a hop recomputes the tail, no more
             self.metrics.cache_errors.labels("save").inc()
             log.warning("storing slot %d's partial tail failed: %s", slot, stored.tail_error)
-        if stored.tail_error is None or stored.tail_stored:
-            table.record_tail(slot, saved, stored.tail)
+        table.record_tail(slot, saved, stored)
         if stored.tail_stored:
             self.metrics.tails.labels("stored").inc()
         if stored.tail_deleted:

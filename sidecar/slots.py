@@ -20,7 +20,8 @@ from typing import Any, Self
 
 import numpy as np
 
-from integrations.kvflow import TailRecord
+from integrations.flows import tail_after_store
+from integrations.kvflow import StoredState, TailRecord
 from tiers.keys import common_prefix
 
 # What a request asked, as far as follow-ups go: a chat's message digests, or a text prompt.
@@ -280,11 +281,13 @@ class SlotTable:
         self.set_tokens(slot, tokens, owner=owner)
         return SavedSlot(record.tokens, previous, previous_tail)
 
-    def record_tail(self, slot: int, saved: SavedSlot, tail: TailRecord | None) -> None:
-        """The tail stored from the save ``saved``, unless the slot changed since (a next request
-        restored into it, or was saved): then this tail is no longer the one it holds."""
-        if self.slots[slot].tokens is saved.tokens:
-            self.slots[slot].tail = tail
+    def record_tail(self, slot: int, saved: SavedSlot, stored: StoredState) -> None:
+        """The tail the slot answers for after storing the save ``saved`` (``tail_after_store``),
+        unless the slot changed since (a next request restored into it, or was saved): then that
+        tail is no longer the one it holds."""
+        record = self.slots[slot]
+        if record.tokens is saved.tokens:
+            record.tail = tail_after_store(stored, record.tail)
 
     def drop_tail(self, slot: int) -> None:
         """Keep the tail ``slot`` stored last from its next save's replacing it (``store_state``
