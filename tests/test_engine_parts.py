@@ -8,12 +8,14 @@ memory tier; the same parts meet real llama-servers in test_sidecar.py and test_
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 
 import numpy as np
 import pytest
 
-from integrations import kvflow, prefixrefs
+from integrations import flows, kvflow, prefixrefs
 from integrations.chunkassemble import assemble_state
 from integrations.llama_server import Timings
 from integrations.memkind import LookupShape, MemoryKind
@@ -103,6 +105,39 @@ async def test_a_recurrent_state_is_one_tail_found_only_by_prompts_that_continue
     assert (manifest.chunks, manifest.tail_tokens) == (0, 300)
     payloads, _ = await sessions.fetch(NS, manifest)
     assert bytes(assemble_state(payloads, manifest.tokens, v_trans=False)) == raw
+
+
+async def test_the_shared_flows_restore_a_session_and_track_tails_and_marked_stores() -> None:
+    """``integrations.flows``: a session's image is the state saved; a restore and a store tell
+    which tail the context answers for; ``SaveMarks`` holds its marks around the stores it runs in
+    the background and drains them; ``find_prefix_waiting`` without marks is one lookup."""
+    store = memory_store()
+    lg = logical(150, seed=6)
+    raw = ref_file(lg)
+    sessions = SessionStore(store, check=kvflow.content_mismatch)
+    await kvflow.save_session(sessions, NS, "s1", parse_state(raw), node="a")
+    image = await flows.session_image(sessions, NS, "s1", v_trans=False)
+    assert bytes(image.joined()) == raw and image.nbytes == len(raw) and image.manifest.n_tokens == 150
+
+    held: list[int] = []
+
+    class Pending:  # the part of tiers.pending.PendingSaves a marked store uses
+        @contextlib.asynccontextmanager
+        async def held(self, keys: list[bytes], mark: object) -> AsyncIterator[None]:
+            held.append(len(keys))
+            yield
+
+    marks = flows.SaveMarks(Pending(), "a")  # type: ignore[arg-type]
+    stored = await marks.store_state(store, NS, state_of(lg))
+    assert await marks.drain(5) and held == [len(kvflow.pending_marks(NS, np.asarray(lg.tokens, np.int32)))]
+    assert stored.tail is not None and flows.tail_after_store(stored, None) == stored.tail
+    failed = kvflow.StoredState(None, stored.tail, tail_error=OSError("down"))
+    assert flows.tail_after_store(failed, None) is None  # the tail never stored: the old one stands
+    tokens = np.asarray(lg.tokens + [1], np.int32)
+    after = await flows.find_prefix_waiting(store, None, NS, tokens, LookupShape(), limit=lambda save, have: 1.0)
+    assert after.found.n_tokens == 150 and after.waited is None
+    got = await kvflow.fetch_prefix(store, NS, after.found)
+    assert flows.restored_tail(got) == kvflow.TailRecord(stored.tail.key, 150)
 
 
 async def test_a_tail_after_a_missing_chunk_is_not_restored() -> None:
