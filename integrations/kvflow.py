@@ -22,7 +22,6 @@ how they read and write a sequence state; what they do with one is the same, and
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -193,36 +192,6 @@ async def pending_save(pending: PendingSaves | None, namespace: Namespace, token
     keys = [key for key, _ in pending_marks(namespace, tokens)]
     async with pending.held(keys, PendingMark(int(tokens.size), node, ready_at)):
         yield
-
-
-_marked_saves: set[asyncio.Task[None]] = set()
-
-
-async def store_state_marked(store: TieredStore, pending: PendingSaves | None, namespace: Namespace,
-                             state: SeqState, *, node: str, previous: TailRecord | None = None,
-                             previous_tokens: np.ndarray | None = None,
-                             events: Publisher | None = None) -> StoredState:
-    """``store_state`` with its save marked pending for other nodes until Redis holds it: returns
-    once the local tiers hold the state; the marks go when the background writes are done."""
-    if pending is None:
-        return await store_state(store, namespace, state, events=events, previous=previous,
-                                 previous_tokens=previous_tokens)
-    result: asyncio.Future[StoredState] = asyncio.get_running_loop().create_future()
-
-    async def marked() -> None:
-        async with pending_save(pending, namespace, state.tokens.tokens, node):
-            try:
-                result.set_result(await store_state(store, namespace, state, events=events, previous=previous,
-                                                    previous_tokens=previous_tokens))
-            except Exception as exc:
-                result.set_exception(exc)
-                return
-            await store.written(timeout=60)
-
-    task = asyncio.get_running_loop().create_task(marked())
-    _marked_saves.add(task)
-    task.add_done_callback(_marked_saves.discard)
-    return await asyncio.shield(result)
 
 
 @dataclass(frozen=True, slots=True)

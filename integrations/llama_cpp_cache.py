@@ -46,9 +46,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, Self
 
 import numpy as np
@@ -57,12 +56,14 @@ from llama_cpp.llama_cache import BaseLlamaCache
 
 from tiers.errors import ConfigError
 from tiers.keys import Namespace, as_token_array, common_prefix
+from tiers.pending import PendingSaves
 from tiers.sessions import Manifest
-from tiers.store import StoreResult
+from tiers.store import StoreResult, TieredStore
 
-from . import kvflow
+from . import flows, kvflow
 from .chunkassemble import assemble_state
 from .fingerprint import layout_fingerprint, memory_identity, model_identity
+from .llama_cpp_saves import CacheCounters, ContextSaves
 from .llama_cpp_state import (
     ContextInfo,
     context_tokens,
@@ -72,9 +73,9 @@ from .llama_cpp_state import (
     state_to_store,
     whole_state_bytes,
 )
-from .memkind import MemoryKind
+from .memkind import LookupShape, MemoryKind
 from .stateparse import parse_state
-from .syncstore import DEFAULT_CAPACITY, DEFAULT_SHARED_CAPACITY, DEFAULT_TIMEOUT, SyncStore
+from .syncstore import DEFAULT_CAPACITY, DEFAULT_SHARED_CAPACITY, DEFAULT_TIMEOUT, DRAIN_TIMEOUT, SyncStore
 
 __all__ = ["CacheCounters", "KVTierCache", "SyncStore", "WindowGuard", "restore_session", "save_session"]
 
@@ -89,19 +90,6 @@ _NO_SCORES = np.zeros((1, 1), dtype=np.single)
 
 
 # -- the cache ------------------------------------------------------------------------------------
-
-
-@dataclass(slots=True)
-class CacheCounters:
-    """What the cache did since it was created."""
-
-    lookups: int = 0  # __getitem__ calls
-    hits: int = 0  # lookups answered with a prefix longer than the context already held
-    tokens_restored: int = 0
-    saves: int = 0  # states split and offered to the store
-    chunks_written: int = 0  # chunks new to at least one tier
-    bytes_written: int = 0  # encoded bytes of those chunks
-    errors: int = 0  # failed cache steps (each one answered as a miss / skipped)
 
 
 def _lora_salt(llm: Llama, salt: str) -> str:
@@ -218,9 +206,7 @@ class KVTierCache(BaseLlamaCache):
         self.counters = CacheCounters()
         self.save_wait = save_wait
         self.node_id = getattr(self.store.events, "node_id", None) or f"{socket.gethostname()}:{os.getpid()}"
-        self._warned: set[str] = set()
-        self._tail: kvflow.TailRecord | None = None  # the partial tail this context stored or restored last
-        self._held = np.zeros(0, np.int32)  # what the context held at the last save (for that tail)
+        self.saves = ContextSaves(self.store, self.namespace, self.node_id, self.counters, self._failed, timeout)
         self._window = WindowGuard(llm)  # how far back a restored sliding window may be reused
 
     def __repr__(self) -> str:
@@ -338,6 +324,7 @@ class KVTierCache(BaseLlamaCache):
         """Drain queued writes, stop the store (unless it was passed in) and unset the cache. Idempotent."""
         if getattr(self.llm, "cache", None) is self:
             self.llm.set_cache(None)
+        self.saves.drain(DRAIN_TIMEOUT)  # its saves' pending marks are cleared, not left to expire
         if self._owns_store:
             self.store.close()
 
@@ -367,30 +354,19 @@ class KVTierCache(BaseLlamaCache):
         when longer than ``have``."""
         if kvflow.restorable_tokens(int(tokens.size), self.info.n_ctx) <= have:
             return None
-        store, ns, shape, pending = self.store.store, self.namespace, self.info.shape, self.store.pending
-
-        async def lookup_and_fetch() -> kvflow.PrefixFetched | None:
-            found = await kvflow.find_prefix(store, ns, tokens, shape)
-            if pending is not None and self.save_wait > 0 and await kvflow.wait_for_pending(
-                    pending, ns, tokens, found, max(found.n_tokens, have), lambda _: self.save_wait, n_ctx=shape.n_ctx):
-                found = await kvflow.find_prefix(store, ns, tokens, shape)  # after a save in flight
-            if found.n_tokens <= have:
-                return None
-            return await kvflow.fetch_prefix(store, ns, found, promote=True)
-
-        fetched = self.store.call(lookup_and_fetch(), self.timeout)
+        pending = self.store.pending if self.save_wait > 0 else None
+        fetched = self.store.call(_lookup_and_fetch(self.store.store, pending, self.namespace, tokens, self.info.shape,
+                                                    have, self.save_wait), self.timeout)
         if fetched is None or fetched.n_tokens <= have:
             return None
         return fetched
 
     def _restored(self, fetched: kvflow.PrefixFetched) -> int:
         """Count a restore; remember its tail (the next save replaces it)."""
-        n = fetched.n_tokens
         self.counters.hits += 1
-        self._note_restore(n)
-        if fetched.tail is not None:
-            self._tail = kvflow.TailRecord(fetched.tail.key, n)
-        return n
+        self._note_restore(fetched.n_tokens)
+        self.saves.restored(fetched)
+        return fetched.n_tokens
 
     def _note_restore(self, n: int) -> None:
         """Count ``n`` restored tokens; a sliding window bounds how far back they may be reused."""
@@ -398,36 +374,8 @@ class KVTierCache(BaseLlamaCache):
         self._window.restored(n, self.info.memory_kind)
 
     def _save(self, key: np.ndarray, value: LlamaState | None) -> StoreResult | None:
-        t0 = time.perf_counter()
-        llm, ns = self.llm, self.namespace
-        picked = state_to_store(llm, self.info, key, value, ns.chunk_tokens)
-        if picked is None:
-            return None
-        tokens, state = picked
-        reason = state.store_reason
-        if reason is not None:
-            if reason not in self._warned:  # once per reason: every completion would repeat it
-                self._warned.add(reason)
-                log.warning("state not stored: %s", reason)
-            return None
-        previous, self._held = self._held, tokens.copy()
-        stored = self.store.call(kvflow.store_state_marked(
-            self.store.store, self.store.pending, ns, state, node=self.node_id, events=self.store.events,
-            previous=self._tail, previous_tokens=previous), self.timeout)
-        if stored.tail_error is not None:
-            self._failed("tail store", stored.tail_error)
-        if stored.tail_error is None or stored.tail_stored:
-            self._tail = stored.tail
-        self.counters.saves += 1
-        result = stored.chunks
-        if result is None:  # a state with a rest under one chunk, or recurrent memory alone: a tail only
-            log.debug("stored a tail of %d tokens in %.1f ms", tokens.size, (time.perf_counter() - t0) * 1e3)
-            return None
-        self.counters.chunks_written += result.chunks_written
-        self.counters.bytes_written += result.bytes_encoded
-        log.debug("stored %d new of %d chunks in %.1f ms", result.chunks_written, result.chunks_total,
-                  (time.perf_counter() - t0) * 1e3)
-        return result
+        picked = state_to_store(self.llm, self.info, key, value, self.namespace.chunk_tokens)
+        return self.saves.store_state(*picked) if picked is not None else None
 
     def _failed(self, step: str, exc: BaseException) -> None:
         self.counters.errors += 1
@@ -435,6 +383,18 @@ class KVTierCache(BaseLlamaCache):
 
 
 # -- module-level helpers -------------------------------------------------------------------------
+
+
+async def _lookup_and_fetch(store: TieredStore, pending: PendingSaves | None, namespace: Namespace,
+                            tokens: np.ndarray, shape: LookupShape, have: int,
+                            save_wait: float) -> kvflow.PrefixFetched | None:
+    """On the store's loop: the longest stored prefix of ``tokens`` longer than ``have``, fetched
+    and verified, after waiting up to ``save_wait`` for another node's save that holds more."""
+    found = (await flows.find_prefix_waiting(store, pending, namespace, tokens, shape, have=have,
+                                             limit=lambda _save, _known: save_wait)).found
+    if found.n_tokens <= have:
+        return None
+    return await kvflow.fetch_prefix(store, namespace, found, promote=True)
 
 
 def _cache_of(llm: Llama, cache: KVTierCache | None) -> KVTierCache:
@@ -478,13 +438,12 @@ def restore_session(llm: Llama, session_id: str, *, cache: KVTierCache | None = 
     """
     c = _cache_of(llm, cache)
     ns, sessions = c.namespace, c.store.sessions
-    manifest = c.store.call(sessions.load(ns, session_id), c.timeout)
-    payloads, _tier = c.store.call(sessions.fetch(ns, manifest), c.timeout)
-    image = assemble_state(payloads, manifest.tokens, v_trans=c.info.v_trans, n_stream=c.info.n_stream)
-    n = load_seq_image(llm, image)
+    image = c.store.call(flows.session_image(sessions, ns, session_id, v_trans=c.info.v_trans,
+                                             n_stream=c.info.n_stream), c.timeout)
+    n = load_seq_image(llm, image.joined())
     c._note_restore(n)
     try:
-        c.store.call(sessions.touch(ns, manifest), c.timeout)
+        c.store.call(sessions.touch(ns, image.manifest), c.timeout)
     except Exception as exc:  # only last_used is lost
         log.debug("touching session %s failed: %s", session_id, exc)
     return n
