@@ -58,7 +58,10 @@ class Aftercare:
         part of an answer), which a re-prompt with the same start reuses on llama-server alone: it
         is saved and stored too, as what the slot holds (never as a session's turn).
         """
-        plan.lease.table.begin_save(plan.lease.slot, (plan.tokens, plan.salt) if ok else None)
+        # A cut answer's slot holds its prompt too: a re-prompt here waits for this slot rather than
+        # take a cold one, and other nodes may wait for its save, as for any answer.
+        kept = ok or (cut and plan.session_id is None)
+        plan.lease.table.begin_save(plan.lease.slot, (plan.tokens, plan.salt) if kept else None)
         answered = time.perf_counter()
         task = asyncio.get_running_loop().create_task(self._save_then_release(plan, ok, answer, answered, cut))
         self._pending.add(task)
@@ -86,7 +89,8 @@ class Aftercare:
         # Other nodes learn first that this save is coming: a next turn of this conversation that
         # reaches one of them may wait for it rather than recompute (saver.marks). The slot is
         # free again once its state is read; the markers stay until Redis holds what was stored.
-        async with self.saver.marks.held(plan.namespace, plan.tokens if ok else NO_TOKENS):
+        kept = ok or (cut and plan.session_id is None)
+        async with self.saver.marks.held(plan.namespace, plan.tokens if kept else NO_TOKENS):
             try:
                 stored = await self._save(plan, ok, answer, free, cut=cut and plan.session_id is None)
             except Exception as exc:

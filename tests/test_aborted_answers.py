@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from sidecar import aftercare
 from sidecar.config import Settings
 from tests.servers import LlamaServer, RedisProc, llama_server
 from tests.sidecars import Sidecar, post, run_sidecar
@@ -88,4 +89,32 @@ async def test_an_aborted_answer_keeps_its_prefix_here_and_on_another_node(
         there = await post(b.url + "/v1/chat/completions", chat("What does shelf 9 hold?", 8))
         assert there.status == 200
         assert there.restored >= 0.95 * shared, (there.headers, shared)  # chunks, then a prefix reference
+        assert there.body["timings"]["cache_n"] >= 0.95 * shared, (there.body["timings"], shared)
+
+
+async def test_a_reprompt_sent_the_moment_the_client_left_finds_the_aborted_slot(
+        redis_srv: RedisProc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The re-prompt arrives while kvtier still saves the aborted slot: it waits for that slot (the
+    slot holds the prompt, as on llama-server alone) instead of taking a colder one and
+    recomputing; and the save it waited for is stored, so another node restores the prefix too.
+    The save starts late here (as on a loaded host), so the re-prompt surely finds it running."""
+    monkeypatch.setattr(aftercare, "SAVE_DELAY_S", 1.5)
+
+    def text(question: str, n: int) -> dict[str, Any]:
+        return {"prompt": f"{SYSTEM}\nQuestion: {question}\nAnswer:", "n_predict": n, "temperature": 0}
+
+    async with node(tmp_path, redis_srv.url, "a") as (llama_a, a), node(tmp_path, redis_srv.url, "b") as (_, b):
+        async with aiohttp.ClientSession() as s, s.post(llama_a.url + "/tokenize", json={"content": SYSTEM}) as r:
+            shared = len((await r.json())["tokens"])
+        assert (await post(a.url + "/completion", {"prompt": "Name three rivers.", "n_predict": 2})).status == 200
+        await stream_then_leave(a.url + "/completion", text("Tell a long story about the jars.", 300), 16)
+
+        here = await post(a.url + "/completion", text("What does shelf 7 hold?", 8))  # no pause
+        assert here.status == 200
+        assert here.body["timings"]["cache_n"] >= 0.95 * shared, (here.body["timings"], shared)
+
+        await a.engine.drain(30)
+        assert await a.store.flush(30)
+        there = await post(b.url + "/completion", text("What does shelf 9 hold?", 8))
+        assert there.status == 200
         assert there.body["timings"]["cache_n"] >= 0.95 * shared, (there.body["timings"], shared)
