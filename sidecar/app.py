@@ -27,12 +27,12 @@ from .cache_admin import follow_purges
 from .config import Settings
 from .engine import KVEngine
 from .forward import fleet_resources
+from .http.upstream import Upstream
 from .logs import MalformedRequestFilter
 from .metrics import Metrics
 from .middlewares import front_middleware
 from .prewarm import prewarm_forever
 from .routes import auth_policy, route_defs
-from .upstream import Upstream
 
 log = logging.getLogger("kvtier.app")
 
@@ -42,7 +42,6 @@ HTTP_LOG = logging.getLogger("kvtier.http")
 HTTP_LOG.addFilter(MalformedRequestFilter())
 
 HEALTH_INTERVAL_S = 2.0
-RELAY_KEEPALIVE_S = 4.0  # idle relay connections kept (llama-server closes them after 5 s)
 SERVER_OPTIONS = {
     # A client that goes away cancels its handler: a request waiting for a slot leaves the queue,
     # a relayed one closes its llama-server connection (llama-server stops a streamed generation).
@@ -78,15 +77,13 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     _remove_stale_files(settings.slot_dir or ".")
     # kvtier's own calls (slot actions, tokenize, props) go through aiohttp; relayed requests
-    # through the leaner Upstream. llama-server drops idle keep-alive connections after 5 s;
-    # aiohttp fails a request sent on one it dropped, so it lets them go after 2 s. Upstream
-    # retries such a request on a new connection, so it keeps them closer to the limit.
+    # through the leaner Upstream (why two pools, and their keep-alives: sidecar/http/upstream.py).
     session = aiohttp.ClientSession(
         cookie_jar=aiohttp.DummyCookieJar(),
         timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=None),
         connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S, limit=256),
     )
-    upstream = Upstream(settings.llama_url, keepalive_s=RELAY_KEEPALIVE_S)
+    upstream = Upstream(settings.llama_url)
     store, redis = build_store(settings)
     metrics = app[METRICS]
     metrics.attach_store(store)

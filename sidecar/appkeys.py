@@ -12,8 +12,8 @@ from tiers.store import TieredStore
 
 from .config import Settings
 from .engine import KVEngine
+from .http.upstream import Upstream
 from .metrics import Metrics
-from .upstream import Upstream
 
 if TYPE_CHECKING:  # forward.py reads the other keys: imported for the annotation only
     from .forward import Forwarder

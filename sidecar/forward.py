@@ -51,6 +51,7 @@ from tiers.store import TieredStore
 from .appkeys import ENGINE, FORWARDER, METRICS, REDIS, SETTINGS
 from .costmodel import CostModel
 from .fleet import Fleet, PeerHeat, local_wait_s, sharing
+from .http.headers import FORWARDED, FORWARDED_TO, end_to_end
 from .logs import request_id
 from .metrics import LATENCY_BUCKETS
 from .planner import EarlyLookup
@@ -58,15 +59,9 @@ from .watcher import Target
 
 log = logging.getLogger("kvtier.forward")
 
-FORWARDED_HEADER = "X-KVTier-Forwarded"  # set on a forwarded request: the node that forwarded it
-FORWARDED_TO_HEADER = "X-KVTier-Forwarded-To"  # set on the answer: the node that served it
 FORWARD_OVERHEAD_S = 0.005  # one more HTTP hop between sidecars (a LAN round trip and a relay)
 FORWARD_MIN_GAIN_S = 0.010  # forward only when the peer is predicted at least this much sooner
 LIVENESS_CHECK_S = 1.0  # while waiting for a peer's answer to start, how often its entry is checked
-_HOP_BY_HOP = {
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
-    "transfer-encoding", "upgrade", "host", "content-length", "expect",
-}
 
 
 class ForwardMetrics:
@@ -195,8 +190,8 @@ class Forwarder:
         it (the peer failed before its answer started; counted)."""
         assert route.peer is not None
         peer = route.peer.status
-        headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP)
-        headers[FORWARDED_HEADER] = self.fleet.node_id
+        headers = CIMultiDict(end_to_end(request.headers.items()))
+        headers[FORWARDED] = self.fleet.node_id
         if request_id.get():
             headers["X-Request-Id"] = request_id.get()  # one id in both nodes' logs
         url = peer.peer_url.forward_url(request.raw_path)  # from checked parts, never by joining strings
@@ -264,10 +259,8 @@ class Forwarder:
     async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, node: str) -> web.StreamResponse:
         """Stream the peer's answer back as it came (status, headers, bytes)."""
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-        for k, v in upstream.headers.items():
-            if k.lower() not in _HOP_BY_HOP:
-                response.headers.add(k, v)
-        response.headers[FORWARDED_TO_HEADER] = node
+        response.headers.extend(end_to_end(upstream.headers.items()))
+        response.headers[FORWARDED_TO] = node
         if upstream.content_length is not None:
             response.content_length = upstream.content_length
         try:
@@ -367,7 +360,7 @@ def may_forward(request: web.Request) -> Forwarder | None:
     forwarder = request.app[FORWARDER]
     if forwarder is None:
         return None
-    if FORWARDED_HEADER in request.headers:
+    if FORWARDED in request.headers:
         forwarder.metrics.received.inc()
         return None
     return forwarder if forwarder.enabled else None

@@ -16,6 +16,7 @@ from typing import Any
 from aiohttp import web
 
 from .appkeys import SETTINGS
+from .http.headers import SESSION_ID
 from .logs import request_id
 
 # request_id is the proxy's too.
@@ -26,7 +27,6 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 log = logging.getLogger("kvtier.app")
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
-SESSION_HEADER = "X-Session-Id"
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +51,7 @@ class AuthPolicy:
 
     def saves_session(self, path: str, headers: Mapping[str, str]) -> bool:
         """Whether a request would save a session that needs the token (``X-Session-Id`` on a completion)."""
-        return bool(self.token) and SESSION_HEADER in headers and canonical_path(path) in self.session_paths
+        return bool(self.token) and SESSION_ID in headers and canonical_path(path) in self.session_paths
 
     def refuses(self, path: str, method: str) -> bool:
         return _matches(self.refused_actions, method, canonical_path(path))
@@ -109,7 +109,7 @@ def front_middleware(auth: AuthPolicy) -> Any:
             response: web.StreamResponse
             if denied:
                 response = json_error(401, "missing or wrong bearer token" + (
-                    f" ({SESSION_HEADER} saves a session, which needs it)" if session else ""))
+                    f" ({SESSION_ID} saves a session, which needs it)" if session else ""))
             elif auth.refuses(request.path, request.method):
                 response = json_error(403, f"{request.method} {request.path}: kvtier owns llama-server's slots; "
                                            "an operator may pass slot actions on with --allow-slot-actions")

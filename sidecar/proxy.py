@@ -26,17 +26,14 @@ from .appkeys import ENGINE, FORWARDER, METRICS, SETTINGS, UPSTREAM
 from .bodyguard import BodyLimits, grammar_problem, shape_problem
 from .config import Settings
 from .forward import may_forward, route_or_none
+from .http.headers import end_to_end, for_llama_server
+from .http.upstream import UpstreamError, UpstreamResponse
 from .middlewares import client_gone, json_error, read_body, request_id
 from .prompts import asked_of
 from .tenants import several_slots, tenant_salt
-from .upstream import UpstreamError, UpstreamResponse
 
 log = logging.getLogger("kvtier.proxy")
 
-HOP_BY_HOP = {
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer", "trailers",
-    "transfer-encoding", "upgrade", "host", "content-length", "expect",
-}
 COMPLETION_KINDS = {"/completion": "completion", "/completions": "completion", "/v1/completions": "completion",
                     "/v1/chat/completions": "chat", "/chat/completions": "chat"}
 TAIL_BYTES = 64 * 1024  # enough of a stream's end to find its final timings
@@ -53,11 +50,6 @@ _UTF8_BOM = b"\xef\xbb\xbf"
 _NO_TOKENS = np.zeros(0, np.int32)
 _MEDIA_KEYS = frozenset({"image_url", "input_audio", "file", "multimodal_data"})  # not prompt text
 _background: set[asyncio.Task[None]] = set()
-
-
-def _forward_headers(headers: Mapping[str, str]) -> list[tuple[str, str]]:
-    return [(k, v) for k, v in headers.items()
-            if (low := k.lower()) not in HOP_BY_HOP and not low.startswith("x-kvtier-")]
 
 
 @dataclass(slots=True)
@@ -103,7 +95,7 @@ async def _relay(request: web.Request, body: bytes, extra_headers: Mapping[str, 
     """Send ``body`` upstream and stream the answer back, recording the outcome in ``out``."""
     try:
         upstream = await request.app[UPSTREAM].request(request.method, request.raw_path,
-                                                        _forward_headers(request.headers), body)
+                                                        for_llama_server(request.headers.items()), body)
     except ValueError as exc:  # nothing llama-server could be sent
         return json_error(400, f"request not forwardable: {exc}")
     except (TimeoutError, UpstreamError, OSError) as exc:
@@ -120,14 +112,14 @@ async def _relay(request: web.Request, body: bytes, extra_headers: Mapping[str, 
             if capture:
                 out.tail += body
             whole = web.Response(status=upstream.status, reason=upstream.reason, body=body,
-                                 headers=CIMultiDict(_forward_headers(upstream.headers)))
+                                 headers=CIMultiDict(end_to_end(upstream.headers.items())))
             whole.headers.update(extra_headers)
             # Sent by aiohttp once the handler returns: after the caller has registered the slot
             # save (which itself waits SAVE_DELAY_S), so that a client that has its answer never
             # sees the sidecar idle while that save is still to come.
             return whole
         response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-        response.headers.extend(_forward_headers(upstream.headers))
+        response.headers.extend(end_to_end(upstream.headers.items()))
         response.headers.update(extra_headers)
         if request_id.get():  # prepared here, so the middleware cannot add it
             response.headers["X-Request-Id"] = request_id.get()

@@ -16,9 +16,9 @@ import orjson
 from aiohttp import web
 
 from .appkeys import UPSTREAM
+from .http.headers import HOP_BY_HOP
+from .http.upstream import UpstreamError
 from .middlewares import json_error
-from .proxy import HOP_BY_HOP
-from .upstream import UpstreamError
 
 log = logging.getLogger("kvtier.proxy")
 

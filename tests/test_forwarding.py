@@ -29,7 +29,9 @@ from sidecar.appkeys import FORWARDER, METRICS
 from sidecar.cli_client import summarize_metrics
 from sidecar.config import Settings
 from sidecar.fleet import HEARTBEAT_TTL_S, NodeStatus
-from sidecar.forward import FORWARDED_HEADER, FORWARDED_TO_HEADER, LIVENESS_CHECK_S
+from sidecar.forward import LIVENESS_CHECK_S
+from sidecar.http.headers import FORWARDED as FORWARDED_HEADER
+from sidecar.http.headers import FORWARDED_TO as FORWARDED_TO_HEADER
 from tests.servers import DEFAULT_LLAMA_ARGS, RedisProc, llama_server, smollm2_path
 from tests.sidecars import Answer, Sidecar, post, post_stream, run_sidecar, stream_text
 from tiers.keys import prefix_chain

@@ -15,9 +15,9 @@ import aiohttp
 import pytest
 import uvloop
 
-import sidecar.upstream as upstream_module
+import sidecar.http.upstream as upstream_module
 from sidecar.config import Settings
-from sidecar.upstream import MAX_HEAD, PAUSE_AT, Upstream, UpstreamError
+from sidecar.http.upstream import MAX_HEAD, PAUSE_AT, Upstream, UpstreamError
 from tests.servers import free_port
 from tests.sidecars import run_sidecar
 

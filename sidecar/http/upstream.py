@@ -1,11 +1,25 @@
-"""A lean HTTP/1.1 client for relaying requests to llama-server.
+"""``Upstream``: a minimal HTTP/1.1 client for relaying requests to llama-server.
 
-Every proxied request is two HTTP exchanges, and aiohttp's client spends ~0.3 ms of Python on each
-(URL objects, timers, trace hooks, cookies, redirects), a large share of what the sidecar adds to a
-request. This client writes a request as one buffer on a kept-alive connection and reads the
-answer's head and framing (``Content-Length``, chunked, or until the connection closes) itself.
-Body pieces reach the caller as they arrive (SSE is never held back); closing a response that is
-still being read closes its connection, which makes llama-server cancel the generation.
+Why kvtier has its own client rather than aiohttp's, for this one job:
+
+- Cost. Every proxied request is two HTTP exchanges, and aiohttp's client spends ~0.3 ms of Python
+  on each (URL objects, timers, trace hooks, cookies, redirects), a large share of what the sidecar
+  adds to a request. This client writes a request as one buffer on a kept-alive connection and
+  reads the answer's head and framing (``Content-Length``, chunked, or until the connection
+  closes) itself. Body pieces reach the caller as they arrive (SSE is never held back); closing a
+  response that is still being read closes its connection, which makes llama-server cancel the
+  generation.
+- A witness of the process. A connection open to llama-server dies with the process behind it, so
+  while one stays open (``Upstream.witness``) llama-server has not restarted. The server watcher
+  holds one to know, at the cost of an attribute read per request, that llama-server is still the
+  one it learned (``sidecar/watcher.py``).
+
+kvtier's own calls to llama-server (slot save, restore and erase, tokenize, props, health) go through
+aiohttp's pool in ``integrations.llama_server.LlamaServerClient``, not this one. The two are kept
+apart on purpose: that client sits in ``integrations`` (below the sidecar: imports flow one
+way), it sends JSON with a timeout per call (5 s for a health check, 600 s for a slot save), and a slot action must never queue behind the ``MAX_ACTIVE`` relayed answers here,
+which hold their slots until they end. Each pool has one keep-alive setting: ``KEEPALIVE_S``
+here, ``integrations.llama_server.KEEPALIVE_S`` there.
 """
 
 from __future__ import annotations
@@ -27,6 +41,10 @@ MAX_HEADERS = 128
 MAX_CHUNK_LINE = 1024  # a chunk-size line, extensions included
 PAUSE_AT = 1 << 20  # body bytes buffered before reading from the socket pauses
 MAX_IDLE = 32  # idle connections kept
+# Seconds an idle connection is kept. llama-server closes them after 5 s; a request sent on one it
+# has just closed is retried once on a new connection (``Upstream.request``), so they are kept
+# closer to that limit than aiohttp's pool keeps its own (which cannot retry).
+KEEPALIVE_S = 4.0
 # Requests in flight at once (each holds a connection until its answer is read or dropped); more
 # wait their turn rather than open ever more sockets to llama-server (which queues them anyway).
 MAX_ACTIVE = 256
@@ -41,9 +59,9 @@ class UpstreamError(Exception):
 
 
 class Upstream:
-    """Kept-alive connections to one HTTP server (llama-server)."""
+    """Kept-alive connections to one HTTP server (llama-server), ``keepalive_s`` seconds each."""
 
-    def __init__(self, base_url: str, *, keepalive_s: float, connect_timeout: float = 10.0,
+    def __init__(self, base_url: str, *, keepalive_s: float = KEEPALIVE_S, connect_timeout: float = 10.0,
                  max_active: int = MAX_ACTIVE) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
