@@ -6,13 +6,26 @@ The llama-server API kvtier passes through is described by name only.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
 
 from tiers.sessions import SESSION_ID_RE
 
-if TYPE_CHECKING:
-    from .routes import Route
+
+class Operation(Protocol):
+    """What the description needs of a route (``routes.Route``)."""
+
+    @property
+    def method(self) -> str: ...
+    @property
+    def path(self) -> str: ...
+    @property
+    def access(self) -> str: ...
+    @property
+    def summary(self) -> str: ...
+    @property
+    def doc(self) -> Mapping[str, Any] | None: ...
+
 
 ERROR = {"$ref": "#/components/schemas/Error"}
 
@@ -134,7 +147,7 @@ COMPONENTS = {
 }
 
 
-def document(routes: Iterable[Route]) -> dict[str, Any]:
+def document(routes: Iterable[Operation]) -> dict[str, Any]:
     """The OpenAPI document of the routes that carry a description."""
     paths: dict[str, dict[str, Any]] = {}
     for route in routes:
