@@ -48,7 +48,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -216,7 +216,7 @@ class Fleet:
         self.read_peers = read_peers
         self.service_s = Ewma(SERVICE_PRIOR_S)
         self.peers: list[str] = []  # the directory as last read (other nodes only)
-        self.in_flight: dict[str, int] = {}  # requests this node forwarded, per peer, not answered yet
+        self._in_flight: dict[str, int] = {}  # requests this node forwarded, per peer, not answered yet
         self._clock = clock
         self._chains: dict[int, tuple[np.ndarray, str, list[ChunkHash], bytes]] = {}
         self._published: tuple[bytes, set[bytes]] | None = None  # (key, fields) last written
@@ -366,6 +366,27 @@ class Fleet:
         except KVTierError as exc:
             log.debug("fleet entry not withdrawn (it expires): %s", exc)
         self._published = None
+
+    # -- forwarding -------------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> Mapping[str, int]:
+        """Requests this node forwarded and that are not answered yet, per peer (counted on top of
+        what each peer's status says: it cannot show them yet)."""
+        return self._in_flight
+
+    @contextlib.contextmanager
+    def sending(self, node: str) -> Iterator[None]:
+        """One request forwarded to ``node``, in ``in_flight`` until its answer ends."""
+        self._in_flight[node] = self._in_flight.get(node, 0) + 1
+        try:
+            yield
+        finally:
+            left = self._in_flight.get(node, 1) - 1
+            if left > 0:
+                self._in_flight[node] = left
+            else:
+                self._in_flight.pop(node, None)
 
     # -- reading ----------------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -100,7 +100,7 @@ class Route:
 
 def choose_route(n_tokens: int, here_cached: int, found_tokens: int, found_bytes: dict[str, int],
                  peers: list[PeerHeat], cost: CostModel, *, local_wait: float = 0.0, local_sharing: int = 0,
-                 in_flight: dict[str, int] | None = None) -> Route:
+                 in_flight: Mapping[str, int] | None = None) -> Route:
     """Serve here (restore or recompute, the planner decides as ever) or forward to one peer.
 
     Args:
@@ -195,8 +195,7 @@ class Forwarder:
         if request_id.get():
             headers["X-Request-Id"] = request_id.get()  # one id in both nodes' logs
         url = peer.peer_url.forward_url(request.raw_path)  # from checked parts, never by joining strings
-        self.fleet.in_flight[peer.node] = self.fleet.in_flight.get(peer.node, 0) + 1
-        try:
+        with self.fleet.sending(peer.node):
             upstream = await self._answer_start(url, headers, raw, peer.node)
             if upstream is None:
                 return None
@@ -210,12 +209,6 @@ class Forwarder:
             log.info("forwarded to %s (%d tokens hot there; predicted %.0f ms vs %.0f ms here)", peer.node,
                      route.peer.hot_tokens, route.peer_s * 1e3, route.here_s * 1e3)
             return await self._relay(request, upstream, peer.node)
-        finally:
-            left = self.fleet.in_flight.get(peer.node, 1) - 1
-            if left > 0:
-                self.fleet.in_flight[peer.node] = left
-            else:
-                self.fleet.in_flight.pop(peer.node, None)
 
     async def _answer_start(self, url: str, headers: CIMultiDict[str], raw: bytes,
                             node: str) -> aiohttp.ClientResponse | None:
