@@ -51,7 +51,8 @@ from tiers.store import TieredStore
 from .appkeys import ENGINE, FORWARDER, METRICS, REDIS, SETTINGS
 from .costmodel import CostModel
 from .fleet import Fleet, PeerHeat, local_wait_s, sharing
-from .http.headers import FORWARDED, FORWARDED_TO, end_to_end
+from .http.headers import FORWARDED, FORWARDED_TO, REQUEST_ID, end_to_end
+from .http.relay import PeerAnswer, Relay, relay
 from .logs import request_id
 from .metrics import LATENCY_BUCKETS
 from .planner import EarlyLookup
@@ -193,7 +194,7 @@ class Forwarder:
         headers = CIMultiDict(end_to_end(request.headers.items()))
         headers[FORWARDED] = self.fleet.node_id
         if request_id.get():
-            headers["X-Request-Id"] = request_id.get()  # one id in both nodes' logs
+            headers[REQUEST_ID] = request_id.get()  # one id in both nodes' logs
         url = peer.peer_url.forward_url(request.raw_path)  # from checked parts, never by joining strings
         with self.fleet.sending(peer.node):
             upstream = await self._answer_start(url, headers, raw, peer.node)
@@ -251,32 +252,15 @@ class Forwarder:
 
     async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, node: str) -> web.StreamResponse:
         """Stream the peer's answer back as it came (status, headers, bytes)."""
-        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-        response.headers.extend(end_to_end(upstream.headers.items()))
-        response.headers[FORWARDED_TO] = node
-        if upstream.content_length is not None:
-            response.content_length = upstream.content_length
         try:
-            await response.prepare(request)
-            async for piece in upstream.content.iter_any():
-                await response.write(piece)
-            await response.write_eof()
-        except (ConnectionResetError, asyncio.CancelledError) as exc:
-            upstream.close()  # the client went away: the peer stops generating
-            if isinstance(exc, asyncio.CancelledError):
-                raise
-            raise asyncio.CancelledError from None
+            return await relay(request, PeerAnswer(upstream), Relay(), headers={FORWARDED_TO: node}, keep_length=True)
         except (aiohttp.ClientError, TimeoutError) as exc:
             # Cut short by the peer, or past the total timeout, after its answer started: the
             # client's connection is closed too.
             if isinstance(exc, TimeoutError):
                 self.metrics.failures.labels("timeout").inc()
             log.warning("peer %s's answer broke off: %s", node, exc or type(exc).__name__)
-            upstream.close()
             raise
-        finally:
-            upstream.release()
-        return response
 
 
 def _too_late(sending: asyncio.Future[aiohttp.ClientResponse]) -> None:

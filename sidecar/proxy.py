@@ -11,24 +11,23 @@ import json
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import orjson
 from aiohttp import web
-from multidict import CIMultiDict
 
-from integrations.llama_server import LlamaServerError, stream_finished
+from integrations.llama_server import LlamaServerError
 from tiers.sessions import validate_session_id
 
 from .appkeys import ENGINE, FORWARDER, METRICS, SETTINGS, UPSTREAM
 from .bodyguard import BodyLimits, grammar_problem, shape_problem
 from .config import Settings
 from .forward import may_forward, route_or_none
-from .http.headers import end_to_end, for_llama_server
-from .http.upstream import UpstreamError, UpstreamResponse
-from .middlewares import client_gone, json_error, read_body, request_id
+from .http.headers import SLOT, for_llama_server
+from .http.relay import MAX_CAPTURE, Relay, relay
+from .http.upstream import UpstreamError
+from .middlewares import client_gone, json_error, read_body
 from .prompts import asked_of
 from .tenants import several_slots, tenant_salt
 
@@ -36,8 +35,6 @@ log = logging.getLogger("kvtier.proxy")
 
 COMPLETION_KINDS = {"/completion": "completion", "/completions": "completion", "/v1/completions": "completion",
                     "/v1/chat/completions": "chat", "/chat/completions": "chat"}
-TAIL_BYTES = 64 * 1024  # enough of a stream's end to find its final timings
-MAX_CAPTURE = 16 << 20  # non-streaming answers are parsed for timings up to this size
 # Characters a prompt token stands for, at most, in the default --max-prompt-chars (the slots'
 # context times this): English averages about 4, long runs of spaces or symbols in code reach 16
 # in common vocabularies; a longer prompt cannot fit the context, and tokenizing it would cost
@@ -50,29 +47,12 @@ _UTF8_BOM = b"\xef\xbb\xbf"
 _NO_TOKENS = np.zeros(0, np.int32)
 _MEDIA_KEYS = frozenset({"image_url", "input_audio", "file", "multimodal_data"})  # not prompt text
 _background: set[asyncio.Task[None]] = set()
-
-
-@dataclass(slots=True)
-class Relay:
-    """What a relay got from upstream; readable even when the client went away mid-answer."""
-
-    status: int = 0
-    upstream_complete: bool = False  # llama-server sent its whole answer
-    stream: bool = False
-    client_left: bool = False  # the client went away while llama-server answered
-    tail: bytearray = field(default_factory=bytearray)
-
-    @property
-    def ok(self) -> bool:
-        """llama-server finished the answer: it sent it whole, or (a client that left at once, as
-        the OpenAI client does after ``data: [DONE]``) its last event reached kvtier."""
-        finished = self.upstream_complete or (self.stream and stream_finished(bytes(self.tail)))
-        return finished and 200 <= self.status < 300
+_NO_HEADERS: Mapping[str, str] = {}
 
 
 async def passthrough(request: web.Request, body: bytes | None = None) -> web.StreamResponse:
     """Forward the request unchanged and relay the answer."""
-    return await _relay(request, body if body is not None else await read_body(request), {}, Relay())
+    return await to_llama_server(request, body if body is not None else await read_body(request), Relay())
 
 
 async def checked_passthrough(request: web.Request) -> web.StreamResponse:
@@ -90,69 +70,26 @@ async def checked_passthrough(request: web.Request) -> web.StreamResponse:
     return await passthrough(request, raw)
 
 
-async def _relay(request: web.Request, body: bytes, extra_headers: Mapping[str, str], out: Relay,
-                 capture: bool = False) -> web.StreamResponse:
-    """Send ``body`` upstream and stream the answer back, recording the outcome in ``out``."""
+async def to_llama_server(request: web.Request, body: bytes, out: Relay, *,
+                          headers: Mapping[str, str] = _NO_HEADERS, capture: bool = False) -> web.StreamResponse:
+    """Send ``body`` to llama-server (the request's method, path and end-to-end headers, none of
+    kvtier's own) and relay its answer, recording the outcome in ``out``; ``headers`` are added
+    to the answer's."""
     try:
-        upstream = await request.app[UPSTREAM].request(request.method, request.raw_path,
-                                                        for_llama_server(request.headers.items()), body)
+        answer = await request.app[UPSTREAM].request(request.method, request.raw_path,
+                                                      for_llama_server(request.headers.items()), body)
     except ValueError as exc:  # nothing llama-server could be sent
         return json_error(400, f"request not forwardable: {exc}")
     except (TimeoutError, UpstreamError, OSError) as exc:
         log.warning("llama-server unreachable: %s", exc)
         return json_error(502, "llama-server unreachable", "bad_gateway")
-    out.status = upstream.status
     try:
-        length = upstream.content_length
-        if not _is_stream(upstream) and length is not None and length <= MAX_CAPTURE:
-            # A whole answer of known size (llama-server computes it before sending): relayed in
-            # one write with its Content-Length rather than in chunks.
-            body = await upstream.read()
-            out.upstream_complete = True
-            if capture:
-                out.tail += body
-            whole = web.Response(status=upstream.status, reason=upstream.reason, body=body,
-                                 headers=CIMultiDict(end_to_end(upstream.headers.items())))
-            whole.headers.update(extra_headers)
-            # Sent by aiohttp once the handler returns: after the caller has registered the slot
-            # save (which itself waits SAVE_DELAY_S), so that a client that has its answer never
-            # sees the sidecar idle while that save is still to come.
-            return whole
-        response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-        response.headers.extend(end_to_end(upstream.headers.items()))
-        response.headers.update(extra_headers)
-        if request_id.get():  # prepared here, so the middleware cannot add it
-            response.headers["X-Request-Id"] = request_id.get()
-        await response.prepare(request)
-        out.stream = _is_stream(upstream)
-        limit = TAIL_BYTES if out.stream else MAX_CAPTURE
-        async for piece in upstream.iter_any():
-            if capture:  # before the write: a client gone by then does not hide what llama-server sent
-                out.tail += piece
-                if len(out.tail) > limit:
-                    del out.tail[: len(out.tail) - TAIL_BYTES]
-            await response.write(piece)
-        out.upstream_complete = True
-        await response.write_eof()
-    except (ConnectionResetError, asyncio.CancelledError) as exc:
-        # The client went away: closing upstream makes llama-server stop generating.
-        out.client_left = True
-        upstream.close()
-        if isinstance(exc, asyncio.CancelledError):
-            raise
-        raise asyncio.CancelledError from None  # nothing to answer: no error, no traceback
+        return await relay(request, answer, out, headers=headers, capture=capture, whole_max=MAX_CAPTURE)
     except UpstreamError as exc:
         # Cut short by llama-server: the client's connection is closed too (a clean end would
         # pass a truncated answer off as whole).
         log.warning("llama-server's answer broke off: %s", exc)
         raise
-    finally:
-        upstream.release()
-    return response
-
-
-def _is_stream(resp: UpstreamResponse) -> bool:
-    return resp.headers.get("Content-Type", "").startswith("text/event-stream")
 
 
 async def handle_completion(request: web.Request) -> web.StreamResponse:
@@ -245,7 +182,8 @@ async def _completion(request: web.Request, kind: str) -> web.StreamResponse:
             headers["X-KVTier-Prompt-Tokens"] = str(plan.tokens.size)
             headers["X-KVTier-Slot-Cached-Tokens"] = str(plan.lease.cached_tokens)
         answering = time.perf_counter()
-        response = await _relay(request, upstream_body(raw, body, plan.lease.slot), headers, relay, capture=True)
+        response = await to_llama_server(request, upstream_body(raw, body, plan.lease.slot), relay, headers=headers,
+                                         capture=True)
         metrics.requests.labels(kind, "ok" if relay.ok else "upstream_error").inc()
         if relay.ok and (fleet_of := request.app[FORWARDER]) is not None:
             fleet_of.fleet.observe_service(time.perf_counter() - answering)  # published: peers' wait estimates
@@ -273,7 +211,7 @@ async def _pinned_passthrough(request: web.Request, body: dict[str, Any], want: 
             await engine.client.erase_slot(lease.slot)
         forwarded = {k: v for k, v in body.items() if k != "cache_salt"}
         forwarded["id_slot"] = lease.slot
-        return await _relay(request, orjson.dumps(forwarded), {"X-KVTier-Slot": str(lease.slot)}, Relay())
+        return await to_llama_server(request, orjson.dumps(forwarded), Relay(), headers={SLOT: str(lease.slot)})
     finally:
         task = asyncio.get_running_loop().create_task(_erase_then_release(engine, lease))
         _background.add(task)

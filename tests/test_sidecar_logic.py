@@ -14,9 +14,10 @@ from integrations.llama_server import Timings, stream_finished
 from sidecar.cli_client import summarize_metrics
 from sidecar.config import Settings, load_settings
 from sidecar.costmodel import CostModel
+from sidecar.http.relay import Relay
 from sidecar.metrics import Metrics
 from sidecar.prompts import chat_digests
-from sidecar.proxy import Relay, upstream_body
+from sidecar.proxy import upstream_body
 from sidecar.slots import FOLLOW_UP_MAX_CHARS, SlotTable, continues
 from tiers.errors import ConfigError
 from tiers.keys import common_prefix
