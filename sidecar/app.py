@@ -26,7 +26,8 @@ from .appkeys import ENGINE, EVENTS, FORWARDER, METRICS, REDIS, SETTINGS, STORE,
 from .cache_admin import follow_purges
 from .config import Settings
 from .engine import KVEngine
-from .forward import fleet_resources
+from .fleet import Fleet
+from .forward import Forwarder, ForwardMetrics
 from .http.upstream import Upstream
 from .logs import MalformedRequestFilter
 from .metrics import Metrics
@@ -119,6 +120,30 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         await store.aclose(drain_timeout=settings.shutdown_timeout)
         upstream.close()
         await session.close()
+
+
+async def fleet_resources(app: web.Application) -> AsyncIterator[None]:
+    """The fleet heartbeat and the forwarder (``cleanup_ctx``), with Redis and either
+    ``--advertise-url`` or ``--forward``; nothing otherwise."""
+    settings, redis = app[SETTINGS], app[REDIS]
+    if redis is None or not (settings.advertise_url or settings.forward):
+        yield
+        return
+    engine = app[ENGINE]
+    fleet = Fleet(redis.connection, settings.node_id, settings.advertise_url, engine.watcher,
+                  mac_key=settings.chunk_key.encode() if settings.chunk_key else None, read_peers=settings.forward)
+    forwarder = Forwarder(fleet, engine.store, engine.cost, ForwardMetrics(app[METRICS].registry),
+                          enabled=settings.forward, connect_timeout=settings.forward_timeout,
+                          first_byte_timeout=settings.forward_first_byte_timeout,
+                          total_timeout=settings.forward_total_timeout)
+    app[FORWARDER] = forwarder
+    heartbeat = asyncio.get_running_loop().create_task(fleet.run_forever(), name="kvtier-fleet")
+    try:
+        yield
+    finally:
+        heartbeat.cancel()
+        await fleet.withdraw()
+        await forwarder.aclose()
 
 
 def create_app(settings: Settings) -> web.Application:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from aiohttp import web
 
 from tiers.events import EventBus
@@ -12,11 +10,9 @@ from tiers.store import TieredStore
 
 from .config import Settings
 from .engine import KVEngine
+from .forward import Forwarder
 from .http.upstream import Upstream
 from .metrics import Metrics
-
-if TYPE_CHECKING:  # forward.py reads the other keys: imported for the annotation only
-    from .forward import Forwarder
 
 SETTINGS = web.AppKey("settings", Settings)
 METRICS = web.AppKey("metrics", Metrics)

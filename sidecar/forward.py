@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -48,7 +48,6 @@ from tiers.errors import KVTierError
 from tiers.keys import Namespace, common_prefix, prefix_chain
 from tiers.store import TieredStore
 
-from .appkeys import ENGINE, FORWARDER, METRICS, REDIS, SETTINGS
 from .costmodel import CostModel
 from .fleet import Fleet, PeerHeat, local_wait_s, sharing
 from .http.headers import FORWARDED, FORWARDED_TO, REQUEST_ID, end_to_end
@@ -159,6 +158,14 @@ class Forwarder:
 
     async def aclose(self) -> None:
         await self.session.close()
+
+    def received(self, headers: Mapping[str, str]) -> bool:
+        """Whether a peer forwarded this request here (counted): such a request is served here,
+        never sent on."""
+        if FORWARDED not in headers:
+            return False
+        self.metrics.received.inc()
+        return True
 
     async def route(self, target: Target, namespace: Namespace, tokens: np.ndarray, here_cached: int,
                     local_wait: float, local_sharing: int = 0) -> tuple[Route | None, EarlyLookup | None]:
@@ -305,39 +312,3 @@ async def route_or_none(forwarder: Forwarder, request: web.Request, raw: bytes, 
         forwarder.metrics.decisions.labels("fallback").inc()
         forwarder.metrics.fallback_seconds.observe(time.perf_counter() - t1)
     return answer, early
-
-
-async def fleet_resources(app: web.Application) -> AsyncIterator[None]:
-    """The fleet heartbeat and the forwarder (``cleanup_ctx``), with Redis and either
-    ``--advertise-url`` or ``--forward``; nothing otherwise."""
-    settings, redis = app[SETTINGS], app[REDIS]
-    if redis is None or not (settings.advertise_url or settings.forward):
-        yield
-        return
-    engine = app[ENGINE]
-    fleet = Fleet(redis.connection, settings.node_id, settings.advertise_url, engine.watcher,
-                  mac_key=settings.chunk_key.encode() if settings.chunk_key else None, read_peers=settings.forward)
-    forwarder = Forwarder(fleet, engine.store, engine.cost, ForwardMetrics(app[METRICS].registry),
-                          enabled=settings.forward, connect_timeout=settings.forward_timeout,
-                          first_byte_timeout=settings.forward_first_byte_timeout,
-                          total_timeout=settings.forward_total_timeout)
-    app[FORWARDER] = forwarder
-    heartbeat = asyncio.get_running_loop().create_task(fleet.run_forever(), name="kvtier-fleet")
-    try:
-        yield
-    finally:
-        heartbeat.cancel()
-        await fleet.withdraw()
-        await forwarder.aclose()
-
-
-def may_forward(request: web.Request) -> Forwarder | None:
-    """The forwarder when this request may be sent on: forwarding is on and no peer forwarded it
-    here already (counted; such a request is served here, never sent on)."""
-    forwarder = request.app[FORWARDER]
-    if forwarder is None:
-        return None
-    if FORWARDED in request.headers:
-        forwarder.metrics.received.inc()
-        return None
-    return forwarder if forwarder.enabled else None

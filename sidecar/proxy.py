@@ -1,7 +1,8 @@
-"""Forwarding to llama-server: completions through the KV flow, everything else unchanged.
+"""To llama-server: requests passed on as they came, and the completion body's checks.
 
-Responses are relayed as they arrive (SSE is never buffered). A client that goes away closes the
-upstream connection, which makes llama-server cancel the generation.
+Completions go through the KV flow (``sidecar/completion.py``), which sends them here pinned to
+their slot; everything else is passed on unchanged. Answers are relayed as they arrive
+(``sidecar/http/relay.py``).
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,18 +18,14 @@ import orjson
 from aiohttp import web
 
 from integrations.llama_server import LlamaServerError
-from tiers.sessions import validate_session_id
 
-from .appkeys import ENGINE, FORWARDER, METRICS, SETTINGS, UPSTREAM
+from .appkeys import ENGINE, SETTINGS, UPSTREAM
 from .bodyguard import BodyLimits, grammar_problem, shape_problem
 from .config import Settings
-from .forward import may_forward, route_or_none
 from .http.headers import SLOT, for_llama_server
 from .http.relay import MAX_CAPTURE, Relay, relay
 from .http.upstream import UpstreamError
-from .middlewares import client_gone, json_error, read_body
-from .prompts import asked_of
-from .tenants import several_slots, tenant_salt
+from .middlewares import json_error, read_body
 
 log = logging.getLogger("kvtier.proxy")
 
@@ -43,11 +39,11 @@ MAX_CHARS_PER_TOKEN = 32
 # Larger bodies have their shape counted off the event loop: a scan costs ~15 ms per MB (numpy,
 # which lets the loop run meanwhile: a 31 MB one held it 360 ms inline, at most 65 ms in a thread).
 THREAD_SCAN_BYTES = 1 << 20
-_UTF8_BOM = b"\xef\xbb\xbf"
+UTF8_BOM = b"\xef\xbb\xbf"
 _NO_TOKENS = np.zeros(0, np.int32)
 _MEDIA_KEYS = frozenset({"image_url", "input_audio", "file", "multimodal_data"})  # not prompt text
-_background: set[asyncio.Task[None]] = set()
 _NO_HEADERS: Mapping[str, str] = {}
+_background: set[asyncio.Task[None]] = set()
 
 
 async def passthrough(request: web.Request, body: bytes | None = None) -> web.StreamResponse:
@@ -61,7 +57,7 @@ async def checked_passthrough(request: web.Request) -> web.StreamResponse:
     reads grammars and schemas there too (a deep grammar sent to ``/v1/responses`` crashed it
     as one sent to ``/completion`` did). Other bodies (multipart audio) go on as they came."""
     raw = await read_body(request)
-    text = raw.removeprefix(_UTF8_BOM)  # skipped by llama-server's parser too
+    text = raw.removeprefix(UTF8_BOM)  # skipped by llama-server's parser too
     if text.lstrip()[:1] == b"{":
         # Parsed whole (its shape first): a key may be written with escapes ("gr\u0061mmar").
         refused = await read_completion(text, body_limits(request.app[SETTINGS]))
@@ -92,112 +88,7 @@ async def to_llama_server(request: web.Request, body: bytes, out: Relay, *,
         raise
 
 
-async def handle_completion(request: web.Request) -> web.StreamResponse:
-    """``/completion``, ``/v1/completions``, ``/v1/chat/completions`` through the KV flow."""
-    kind = COMPLETION_KINDS[request.path]
-    metrics = request.app[METRICS]
-    try:
-        return await _completion(request, kind)
-    except asyncio.CancelledError:
-        # Gone while its slot was awaited (it left the queue) or while answered (llama-server's
-        # connection was closed, which stops the generation); or cut by a shutdown.
-        metrics.requests.labels(kind, "client_gone" if client_gone(request) else "cancelled").inc()
-        raise
-
-
-async def _completion(request: web.Request, kind: str) -> web.StreamResponse:
-    engine = request.app[ENGINE]
-    metrics = request.app[METRICS]
-    raw = await read_body(request)
-    raw = raw.removeprefix(_UTF8_BOM)  # llama-server's parser (nlohmann::json) skips a BOM too
-    body = await read_completion(raw, body_limits(request.app[SETTINGS]))
-    if isinstance(body, str):
-        # Never passed on as it came: llama-server would run it on a slot of its own choosing,
-        # around the tenant rules.
-        metrics.requests.labels(kind, "invalid").inc()
-        return json_error(400, body)
-    if not await engine.ensure_ready():
-        # Without its slot table kvtier cannot keep tenants apart: no request goes past it.
-        metrics.requests.labels(kind, "unavailable").inc()
-        unready = json_error(503, f"kvtier is not ready: {engine.last_error}")
-        unready.headers["Retry-After"] = "2"
-        return unready
-    too_long = _prompt_too_long(request, raw, body)
-    if too_long is not None:
-        metrics.requests.labels(kind, "invalid").inc()
-        return json_error(400, too_long)
-    started = time.perf_counter()
-    forwarder = may_forward(request)
-    session_id = request.headers.get("X-Session-Id")
-    want = body.get("id_slot")
-    want = want if isinstance(want, int) and not isinstance(want, bool) and 0 <= want < engine.target.n_slots else None  # type: ignore[union-attr]
-    try:
-        salt = tenant_salt(request.headers, body)
-    except ValueError as exc:
-        metrics.requests.labels(kind, "invalid").inc()
-        return json_error(400, str(exc))
-    if (several := several_slots(body)) is not None:
-        metrics.requests.labels(kind, "invalid").inc()
-        return json_error(400, several)
-    if body.get("cache_prompt") is False:
-        metrics.requests.labels(kind, "passthrough").inc()
-        return await _pinned_passthrough(request, body, want, salt)
-    asked = asked_of(kind, body)
-    plan = None
-    if asked is not None and session_id is None:
-        plan = engine.follow_up(body, asked, want_slot=want, salt=salt, since=started)
-    if plan is None:
-        try:
-            prompt = await engine.prompts.prompt_for(kind, body, scope=salt)
-        except LlamaServerError as exc:
-            log.info("not cacheable (%s); passing through", exc)
-            prompt = None
-        if prompt is None or prompt.tokens.size == 0:
-            metrics.requests.labels(kind, "passthrough").inc()
-            return await _pinned_passthrough(request, body, want, salt)
-        if session_id is not None:
-            try:
-                validate_session_id(session_id)
-            except ValueError as exc:
-                return json_error(400, f"X-Session-Id: {exc}")
-        early = None
-        if forwarder is not None:
-            # Before a slot is taken: a peer holding this prompt hot may answer it sooner.
-            answer, early = await route_or_none(forwarder, request, raw, prompt.tokens, salt)
-            if answer is not None:
-                metrics.requests.labels(kind, "forwarded").inc()
-                return answer
-        # A LoRA chosen per request would not be the one the state at the prompt's end is computed with.
-        prompt_end = request.app[SETTINGS].save_prompt_end and "lora" not in body
-        plan = await engine.prepare(prompt, want_slot=want, salt=salt, session_id=session_id, since=started,
-                                    asked=asked or (), prompt_end=prompt_end, early=early)
-    relay = Relay()
-    try:
-        headers = {
-            "X-KVTier-Slot": str(plan.lease.slot),
-            "X-KVTier-Restored-Tokens": str(plan.restored_tokens),
-            "X-KVTier-Restore-Tier": plan.restore_tier or "none",
-        }
-        if not plan.follow_up:  # a follow-up's tokens are not computed: its timings tell them
-            headers["X-KVTier-Prompt-Tokens"] = str(plan.tokens.size)
-            headers["X-KVTier-Slot-Cached-Tokens"] = str(plan.lease.cached_tokens)
-        answering = time.perf_counter()
-        response = await to_llama_server(request, upstream_body(raw, body, plan.lease.slot), relay, headers=headers,
-                                         capture=True)
-        metrics.requests.labels(kind, "ok" if relay.ok else "upstream_error").inc()
-        if relay.ok and (fleet_of := request.app[FORWARDER]) is not None:
-            fleet_of.fleet.observe_service(time.perf_counter() - answering)  # published: peers' wait estimates
-        return response
-    finally:
-        # Saved when llama-server finished its answer, even if the client (or a shutdown) cut the
-        # last bytes short: the slot then holds a complete, valid state.
-        engine.finish(plan, ok=relay.ok, answer=bytes(relay.tail) if relay.ok else None,
-                      cut=relay.client_left and relay.status == 200)
-        if (forwarder := request.app[FORWARDER]) is not None:
-            forwarder.fleet.nudge()  # peers see the slot's new prompt before its save has read it
-
-
-async def _pinned_passthrough(request: web.Request, body: dict[str, Any], want: int | None,
+async def pinned_passthrough(request: web.Request, body: dict[str, Any], want: int | None,
                               salt: str) -> web.StreamResponse:
     """A completion kvtier does not cache (``cache_prompt: false``, several prompts, media), sent
     as it came but to a slot kvtier chose for its tenant: another tenant's slot is erased first,
@@ -255,7 +146,7 @@ def body_limits(settings: Settings) -> BodyLimits:
                       settings.max_grammar_depth)
 
 
-def _prompt_too_long(request: web.Request, raw: bytes, body: Mapping[str, Any]) -> str | None:
+def prompt_too_long(request: web.Request, raw: bytes, body: Mapping[str, Any]) -> str | None:
     """Why the request's prompt text is over ``--max-prompt-chars``; None when it is not.
 
     Checked before anything is rendered or tokenized: tokenizing costs ~35 bytes per character.

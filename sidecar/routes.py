@@ -17,9 +17,10 @@ from aiohttp import web
 
 from . import openapi
 from .cache_admin import cache_purge, cache_usage
+from .completion import handle_completion
 from .middlewares import AuthPolicy, Handler, canonical_path, json_error
 from .probes import healthz, metrics_endpoint, readyz
-from .proxy import COMPLETION_KINDS, checked_passthrough, handle_completion, passthrough
+from .proxy import COMPLETION_KINDS, checked_passthrough, passthrough
 from .sessions_api import delete_session, get_session, list_sessions, restore_session, save_session
 from .slotsview import slots_view
 from .tenants import names_tenant
