@@ -22,7 +22,8 @@ from tiers.redis_backend import RedisBackend
 from tiers.sessions import SessionStore
 from tiers.store import TieredStore
 
-from .appkeys import ENGINE, EVENTS, FORWARDER, METRICS, REDIS, SETTINGS, STORE, UPSTREAM
+from .appkeys import BACKGROUND, ENGINE, EVENTS, FORWARDER, METRICS, REDIS, SETTINGS, STORE, UPSTREAM
+from .background import Background
 from .cache_admin import follow_purges
 from .config import Settings
 from .engine import KVEngine
@@ -112,6 +113,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     finally:
         for task in tasks:
             task.cancel()
+        if not await app[BACKGROUND].drain(settings.shutdown_timeout):
+            log.warning("shutdown: background tasks did not finish in %.0fs", settings.shutdown_timeout)
         drained = await engine.drain(settings.shutdown_timeout)
         if not drained:
             log.warning("shutdown: pending slot saves did not finish in %.0fs", settings.shutdown_timeout)
@@ -153,6 +156,7 @@ def create_app(settings: Settings) -> web.Application:
                           handler_args=SERVER_OPTIONS)
     app[SETTINGS] = settings
     app[METRICS] = Metrics()
+    app[BACKGROUND] = Background()
     app.cleanup_ctx.append(_resources)
     app[FORWARDER] = None
     app.cleanup_ctx.append(fleet_resources)  # after _resources: it needs the engine and Redis

@@ -8,6 +8,7 @@ from tiers.events import EventBus
 from tiers.redis_tier import RedisTier
 from tiers.store import TieredStore
 
+from .background import Background
 from .config import Settings
 from .engine import KVEngine
 from .forward import Forwarder
@@ -19,6 +20,7 @@ METRICS = web.AppKey("metrics", Metrics)
 UPSTREAM = web.AppKey("upstream", Upstream)  # relays requests to llama-server
 STORE = web.AppKey("store", TieredStore)
 ENGINE = web.AppKey("engine", KVEngine)
+BACKGROUND = web.AppKey("background", Background)  # tasks requests leave running, drained at shutdown
 # The Redis chunk tier (ping, breaker state for readiness and metrics), None without Redis.
 REDIS: web.AppKey[RedisTier | None] = web.AppKey("redis")
 # The event bus on that Redis (purges are announced on it), None without Redis.

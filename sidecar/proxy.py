@@ -19,7 +19,7 @@ from aiohttp import web
 
 from integrations.llama_server import LlamaServerError
 
-from .appkeys import ENGINE, SETTINGS, UPSTREAM
+from .appkeys import BACKGROUND, ENGINE, SETTINGS, UPSTREAM
 from .bodyguard import BodyLimits, grammar_problem, shape_problem
 from .config import Settings
 from .http.headers import SLOT, for_llama_server
@@ -43,7 +43,6 @@ UTF8_BOM = b"\xef\xbb\xbf"
 _NO_TOKENS = np.zeros(0, np.int32)
 _MEDIA_KEYS = frozenset({"image_url", "input_audio", "file", "multimodal_data"})  # not prompt text
 _NO_HEADERS: Mapping[str, str] = {}
-_background: set[asyncio.Task[None]] = set()
 
 
 async def passthrough(request: web.Request, body: bytes | None = None) -> web.StreamResponse:
@@ -104,9 +103,7 @@ async def pinned_passthrough(request: web.Request, body: dict[str, Any], want: i
         forwarded["id_slot"] = lease.slot
         return await to_llama_server(request, orjson.dumps(forwarded), Relay(), headers={SLOT: str(lease.slot)})
     finally:
-        task = asyncio.get_running_loop().create_task(_erase_then_release(engine, lease))
-        _background.add(task)
-        task.add_done_callback(_background.discard)
+        request.app[BACKGROUND].start(_erase_then_release(engine, lease))
 
 
 async def _erase_then_release(engine: Any, lease: Any) -> None:
