@@ -24,6 +24,7 @@ import numpy as np
 
 from tiers.keys import Namespace
 from tiers.pending import PendingSaves
+from tiers.redis_backend import RedisBackend
 from tiers.sessions import Manifest, SessionStore
 from tiers.store import TieredStore
 
@@ -36,6 +37,7 @@ from .kvflow import (
     StoredState,
     TailRecord,
     Waited,
+    content_mismatch,
     find_prefix,
     pending_save,
     store_state,
@@ -188,3 +190,14 @@ class SaveMarks:
             return True
         _, left = await asyncio.wait(set(self._tasks), timeout=timeout)
         return not left
+
+
+def sessions_of(store: TieredStore, backend: RedisBackend | None) -> SessionStore:
+    """``store``'s named sessions, for both engines: manifests in Redis when there is one (any node
+    restores them), each session's payloads checked as chunks and tails are (``content_mismatch``)."""
+    return SessionStore(store, backend.manifests if backend is not None else None, check=content_mismatch)
+
+
+def pending_of(backend: RedisBackend | None) -> PendingSaves | None:
+    """Marks of saves in flight, shared with every node through Redis; None without Redis."""
+    return PendingSaves(backend.connection) if backend is not None else None

@@ -26,7 +26,7 @@ from tiers.sessions import SessionStore
 from tiers.stack import build_store
 from tiers.store import TieredStore
 
-from .kvflow import content_mismatch
+from .flows import pending_of, sessions_of
 
 log = logging.getLogger("kvtier.llama_cpp")
 T = TypeVar("T")
@@ -144,10 +144,8 @@ class SyncStore:
     @property
     def pending(self) -> PendingSaves | None:
         """Marks of saves in flight, shared with every node through Redis; None without Redis."""
-        if self.backend is None:
-            return None
         if self._pending is None:
-            self._pending = PendingSaves(self.backend.connection)
+            self._pending = pending_of(self.backend)
         return self._pending
 
     @property
@@ -185,8 +183,7 @@ class SyncStore:
     def sessions(self) -> SessionStore:
         """The ``tiers.sessions.SessionStore`` of this store (manifests in Redis when configured)."""
         if self._sessions is None:
-            self._sessions = SessionStore(self.store, self.backend.manifests if self.backend is not None else None,
-                                          check=content_mismatch)
+            self._sessions = sessions_of(self.store, self.backend)
         return self._sessions
 
     def flush(self, timeout: float | None = 30.0) -> bool:

@@ -13,13 +13,11 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from integrations.kvflow import content_mismatch
+from integrations.flows import pending_of, sessions_of
 from integrations.llama_server import KEEPALIVE_S, LlamaServerClient
 from tiers import stack
 from tiers.codec import BlobCodec
-from tiers.pending import PendingSaves
 from tiers.redis_backend import RedisBackend
-from tiers.sessions import SessionStore
 from tiers.store import TieredStore
 
 from .appkeys import BACKGROUND, ENGINE, EVENTS, FORWARDER, METRICS, REDIS, SETTINGS, STORE, UPSTREAM
@@ -90,9 +88,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     metrics = app[METRICS]
     metrics.attach_store(store)
     engine = KVEngine(settings, LlamaServerClient(settings.llama_url, session), store, metrics,
-                      SessionStore(store, redis.manifests if redis is not None else None, check=content_mismatch),
-                      events=redis.events if redis is not None else None, witness=upstream.witness,
-                      pending=PendingSaves(redis.connection) if redis is not None else None)
+                      sessions_of(store, redis), events=redis.events if redis is not None else None,
+                      witness=upstream.witness, pending=pending_of(redis))
     metrics.attach_cost(engine.cost)
     # The table of the moment: the watcher replaces it when llama-server restarts.
     metrics.attach_queue(lambda: engine.slots.queue_depth if engine.slots is not None else 0)
