@@ -58,10 +58,11 @@ class Aftercare:
         part of an answer), which a re-prompt with the same start reuses on llama-server alone: it
         is saved and stored too, as what the slot holds (never as a session's turn).
         """
-        # A cut answer's slot holds its prompt too: a re-prompt here waits for this slot rather than
-        # take a cold one, and other nodes may wait for its save, as for any answer.
-        kept = ok or (cut and plan.session_id is None)
-        plan.lease.table.begin_save(plan.lease.slot, (plan.tokens, plan.salt) if kept else None)
+        # A cut session turn is not kept; any other cut answer's slot holds its prompt too: a
+        # re-prompt here waits for this slot rather than take a cold one, and other nodes may wait
+        # for its save, as for any answer.
+        cut = cut and plan.session_id is None
+        plan.lease.table.begin_save(plan.lease.slot, (plan.tokens, plan.salt) if ok or cut else None)
         answered = time.perf_counter()
         task = asyncio.get_running_loop().create_task(self._save_then_release(plan, ok, answer, answered, cut))
         self._pending.add(task)
@@ -89,10 +90,9 @@ class Aftercare:
         # Other nodes learn first that this save is coming: a next turn of this conversation that
         # reaches one of them may wait for it rather than recompute (saver.marks). The slot is
         # free again once its state is read; the markers stay until Redis holds what was stored.
-        kept = ok or (cut and plan.session_id is None)
-        async with self.saver.marks.held(plan.namespace, plan.tokens if kept else NO_TOKENS):
+        async with self.saver.marks.held(plan.namespace, plan.tokens if ok or cut else NO_TOKENS):
             try:
-                stored = await self._save(plan, ok, answer, free, cut=cut and plan.session_id is None)
+                stored = await self._save(plan, ok, answer, free, cut=cut)
             except Exception as exc:
                 # A failed save (a full slot dir, an unreachable tier) leaves the slot as it was:
                 # what the table knows of it (what was restored or saved last) is still a prefix of it.
