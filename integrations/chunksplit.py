@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tiers.codec import Framed
 from tiers.errors import StateFormatError
 
 from .buffers import BytesLike, alloc_buffer, as_uint8
@@ -38,7 +39,9 @@ class SplitResult:
     """Chunk payloads of one state; ``chunks[i]`` covers cells of chunk ``first_chunk + i``.
 
     The payloads (and the tail) are memoryviews into one shared buffer, which lives as long as any
-    of them does; copy one (``bytes(p)``) to keep it alone for long.
+    of them does; copy one (``bytes(p)``) to keep it alone for long. Cut with ``room``, each has a
+    buffer of its own instead, with ``room`` bytes before the payload (``frames``, in the same
+    order, the tail's last): the codec writes its header there (``tiers.codec.Framed``).
     """
 
     tokens: np.ndarray  # int32, all tokens of the state
@@ -49,6 +52,16 @@ class SplitResult:
     tail: memoryview | None  # the cells after the last full chunk, when asked for and present
     layout: StateLayout
     v_trans: bool
+    room: int = 0
+    frames: tuple[memoryview, ...] = ()
+
+    def framed(self, i: int) -> Framed:
+        """Chunk ``first_chunk + i``'s payload as the codec encodes it in place (cut with room)."""
+        return Framed(self.frames[i], self.room)
+
+    @property
+    def framed_tail(self) -> Framed | None:
+        return Framed(self.frames[-1], self.room) if self.tail is not None and self.frames else None
 
     @property
     def n_tokens(self) -> int:
@@ -60,7 +73,7 @@ class SplitResult:
 
 
 def split_state(
-    state: SeqState | BytesLike, chunk_tokens: int, *, tail: bool = False, first_chunk: int = 0
+    state: SeqState | BytesLike, chunk_tokens: int, *, tail: bool = False, first_chunk: int = 0, room: int = 0,
 ) -> SplitResult:
     """Cut a single-sequence state into prefix chunks of ``chunk_tokens`` cells.
 
@@ -69,6 +82,7 @@ def split_state(
         chunk_tokens: cells per chunk (the namespace's chunk size).
         tail: also return the cells after the last full chunk (a session's partial tail).
         first_chunk: skip materialising chunks before this index (already stored elsewhere).
+        room: cut each payload into a buffer of its own, after this many free bytes (``SplitResult``).
 
     Raises:
         StateFormatError: the file is malformed or not splittable (``SeqState.split_reason``).
@@ -81,7 +95,7 @@ def split_state(
     if reason is not None:
         raise StateFormatError(f"state is not splittable: {reason}")
     if state.tail_only:
-        return _split_tail_only(state, chunk_tokens, tail)
+        return _split_tail_only(state, chunk_tokens, tail)  # one small tail: never framed
     rest: BytesLike = b""
     if state.has_rest:
         if tail and state.memory_kind is MemoryKind.KV_PAIR:  # the rest goes into the tail alone: pad it only then
@@ -98,17 +112,11 @@ def split_state(
         for la in stream.layers
     )
     per_cell = sum(la.k_row_size + la.v_row_size for la in stream.layers)
-    # One buffer for every payload: one allocation faults its pages in far faster than one per chunk
-    # (4-5 GB/s against 2.5 GB/s for a 94 MB state here). The payloads are views into it.
     sizes = [CHUNK_HEAD.size + len(heads) + (b - a) * per_cell for a, b in spans]
     with_tail = tail and n_chunks * chunk_tokens < n
     if with_tail:
         sizes[-1] += len(rest)
-    arena, arena_mv = alloc_buffer(sum(sizes))
-    payloads, at = [], 0
-    for (a, b), size in zip(spans, sizes):
-        payloads.append(_cut(stream, a, b, heads, arena[at : at + size], arena_mv[at : at + size]))
-        at += size
+    payloads, frames = _cut_all(stream, spans, sizes, heads, room)
     tail_payload = payloads.pop() if with_tail else None
     if tail_payload is not None and rest:
         _add_rest(tail_payload, rest)
@@ -116,7 +124,7 @@ def split_state(
     assert layout is not None
     return SplitResult(
         state.tokens.tokens, chunk_tokens, n_chunks, max(first_chunk, 0), payloads, tail_payload, layout,
-        stream.v_trans,
+        stream.v_trans, room if frames else 0, tuple(frames),
     )
 
 
@@ -141,6 +149,28 @@ def _split_tail_only(state: SeqState, chunk_tokens: int, tail: bool) -> SplitRes
         CHUNK_HEAD.pack_into(payload, 0, CHUNK_MAGIC, CHUNK_VERSION, FLAG_REST, state.n_tokens, 0, 0, rest.size)
         arr[CHUNK_HEAD.size:] = rest
     return SplitResult(state.tokens.tokens, chunk_tokens, 0, 0, [], payload, StateLayout(()), False)
+
+
+def _cut_all(stream: KVStream, spans: list[tuple[int, int]], sizes: list[int], heads: bytes,
+             room: int) -> tuple[list[memoryview], list[memoryview]]:
+    """The payload of each span, and with ``room`` the buffer each was cut into (room first)."""
+    payloads, frames = [], []
+    if room:
+        # A buffer per payload: the tiers keep each chunk whole, and one arena would live as long
+        # as its longest-kept chunk.
+        for (a, b), size in zip(spans, sizes):
+            arr, view = alloc_buffer(room + size)
+            frames.append(view)
+            payloads.append(_cut(stream, a, b, heads, arr[room:], view[room:]))
+        return payloads, frames
+    # One buffer for every payload: one allocation faults its pages in far faster than one per chunk
+    # (4-5 GB/s against 2.5 GB/s for a 94 MB state here). The payloads are views into it.
+    arena, arena_mv = alloc_buffer(sum(sizes))
+    at = 0
+    for (a, b), size in zip(spans, sizes):
+        payloads.append(_cut(stream, a, b, heads, arena[at : at + size], arena_mv[at : at + size]))
+        at += size
+    return payloads, frames
 
 
 def _add_rest(payload: memoryview, rest: BytesLike) -> None:

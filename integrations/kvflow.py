@@ -22,6 +22,7 @@ how they read and write a sequence state; what they do with one is the same, and
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -31,6 +32,7 @@ from typing import Protocol
 
 import numpy as np
 
+from tiers.codec import Framed
 from tiers.errors import KVTierError
 from tiers.keys import (
     Namespace,
@@ -362,22 +364,37 @@ class StoredState:
 
 class LazyChunks:
     """``payloads(i)`` for ``TieredStore.store``: chunks are cut only when a tier lacks them (a
-    prefix shared by many states is split once, when it is new)."""
+    prefix shared by many states is split once, when it is new), each into a buffer of its own with
+    ``room`` for the codec's header (encoded in place, no copy).
 
-    def __init__(self, state: SeqState, chunk_tokens: int):
+    ``prepare(first)`` cuts chunk ``first`` and those after it in a worker thread (numpy copies
+    release the GIL): the event loop, which relays other users' tokens, never copies a saved
+    gigabyte itself. A chunk asked for that was not prepared is cut where it is asked for.
+    """
+
+    def __init__(self, state: SeqState, chunk_tokens: int, room: int = 0):
         self.state = state
         self.chunk_tokens = chunk_tokens
-        self._cut: dict[int, memoryview] = {}
+        self.room = room
+        self._cut: dict[int, Framed] = {}
 
     @property
     def cut(self) -> list[int]:
         """The chunks cut so far: those some tier lacked."""
         return sorted(self._cut)
 
-    def __call__(self, i: int) -> memoryview:
+    async def prepare(self, first: int) -> None:
+        if first < chunks_of(self.state, self.chunk_tokens):
+            await asyncio.to_thread(self._cut_from, first)
+
+    def _cut_from(self, first: int) -> None:
+        split = split_state(self.state, self.chunk_tokens, first_chunk=first, room=self.room)
+        for j, payload in enumerate(split.chunks):
+            self._cut[split.first_chunk + j] = split.framed(j) if split.frames else Framed(payload, 0)
+
+    def __call__(self, i: int) -> Framed:
         if i not in self._cut:
-            split = split_state(self.state, self.chunk_tokens, first_chunk=i)
-            self._cut.update({split.first_chunk + j: p for j, p in enumerate(split.chunks)})
+            self._cut_from(i)
         return self._cut[i]
 
 
@@ -412,7 +429,9 @@ async def store_state(store: TieredStore, namespace: Namespace, state: SeqState,
     tokens = state.tokens.tokens
     chain = prefix_chain(namespace, tokens, chunks_of(state, C))
     announce = announcer(events, namespace)
-    lazy = LazyChunks(state, C)
+    lazy = LazyChunks(state, C, store.codec.head_room)
+    if chain:
+        await lazy.prepare(await store.first_missing_here(namespace, chain))
     chunks = await store.store(namespace, chain, lazy, announce=announce) if chain else None
     start = len(chain) * C
     new = None
@@ -422,7 +441,9 @@ async def store_state(store: TieredStore, namespace: Namespace, state: SeqState,
         refs = [] if state.has_rest else [ref for i in lazy.cut for ref in prefix_refs(
             parents[i], tokens[i * C: (i + 1) * C], REF_CHUNK)]
         if (chain or state.has_rest) and tokens.size > start:
-            tail = split_state(state, C, first_chunk=len(chain), tail=True).tail
+            cut = await asyncio.to_thread(split_state, state, C, first_chunk=len(chain), tail=True,
+                                          room=store.codec.head_room)
+            tail = cut.framed_tail or cut.tail  # recurrent memory alone: one small tail, not framed
             assert tail is not None
             key = await store.store_tail(namespace, parents[-1], tokens[start:], tail, announce=announce)
             new = TailRecord(key, int(tokens.size))
@@ -450,9 +471,12 @@ async def save_session(sessions: SessionStore, namespace: Namespace, session_id:
     if state.store_reason is not None:
         raise SessionError(f"this state cannot be split into chunks ({state.store_reason})")
     tokens = state.tokens.tokens
-    split = split_state(state, namespace.chunk_tokens, tail=True)
+    # Cut off the event loop, each payload framed for the codec (as ``store_state`` does).
+    split = await asyncio.to_thread(split_state, state, namespace.chunk_tokens, tail=True,
+                                    room=sessions.store.codec.head_room)
     manifest = await sessions.save(
-        namespace, session_id, tokens, lambda i: split.chunks[i], split.tail,
+        namespace, session_id, tokens, split.framed if split.frames else lambda i: split.chunks[i],
+        split.framed_tail or split.tail,
         node=node, kv_bytes=int(tokens.size) * split.layout.bytes_per_token, n_chunks=split.n_chunks,
     )
     if events is not None:

@@ -26,6 +26,9 @@ class TierRole(enum.Enum):
     REMOTE = "remote"  # every node (Redis), over the network
 
 
+Value = bytes | memoryview  # an encoded value as tiers take and give it (a view: a buffer of its own)
+
+
 @runtime_checkable
 class Tier(Protocol):
     """A key -> blob store. Keys are the full storage keys (bytes); values are encoded blobs.
@@ -45,7 +48,7 @@ class Tier(Protocol):
 
     async def get_many(self, keys: Sequence[bytes]) -> dict[bytes, bytes | memoryview]: ...
 
-    async def put_many(self, items: Mapping[bytes, bytes]) -> int:
+    async def put_many(self, items: Mapping[bytes, Value]) -> int:
         """Store the items; returns how many were stored."""
         ...
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping, Sequence
 
+import numpy as np
+
 from .base import StatsCounter, TierRole, TierStats
 from .errors import ConfigError
 from .policies import EvictionPolicy, make_policy
@@ -31,7 +33,7 @@ class MemoryTier:
         self.name = name
         self.capacity = capacity
         self._policy: EvictionPolicy = make_policy(policy, capacity)
-        self._data: dict[bytes, bytes] = {}
+        self._data: dict[bytes, bytes | memoryview] = {}
         self._used = 0
         self._lock = threading.Lock()
         self._stats = StatsCounter(name)
@@ -51,14 +53,14 @@ class MemoryTier:
         self._stats.add(hits=len(found), misses=len(keys) - len(found), bytes_out=nbytes)
         return found
 
-    async def put_many(self, items: Mapping[bytes, bytes]) -> int:
+    async def put_many(self, items: Mapping[bytes, bytes | memoryview]) -> int:
         return self.put_many_sync(items)
 
-    def put_many_sync(self, items: Mapping[bytes, bytes]) -> int:
+    def put_many_sync(self, items: Mapping[bytes, bytes | memoryview]) -> int:
         stored = evicted = nbytes = 0
         with self._lock:
             for key in reversed(list(items)):
-                value = bytes(items[key]) if not isinstance(items[key], bytes) else items[key]
+                value = _owned(items[key])
                 size = len(value)
                 if size > self.capacity:
                     continue  # larger than the whole tier: never cached here
@@ -108,3 +110,18 @@ class MemoryTier:
         with self._lock:
             self._data.clear()
             self._used = 0
+
+
+def _owned(value: bytes | bytearray | memoryview) -> bytes | memoryview:
+    """``value`` as the tier may keep it: bytes as they are, and a read-only view of a whole numpy
+    buffer of its own (a codec-framed chunk, a value the bulk lane read) without a copy. Anything
+    else is copied: a kept view must never pin a larger buffer, see its bytes change, or map a
+    file another process may cut short."""
+    if isinstance(value, bytes):
+        return value
+    view = memoryview(value)
+    base = view.obj
+    if (view.readonly and view.c_contiguous and isinstance(base, np.ndarray) and base.base is None
+            and base.nbytes == view.nbytes):
+        return view
+    return bytes(view)

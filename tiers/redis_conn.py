@@ -25,7 +25,8 @@ from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 
 from .breaker import BreakerState, BreakerStats, CircuitBreaker
-from .errors import KVTierError, TierUnavailable
+from .errors import ConfigError, KVTierError, TierUnavailable
+from .redis_bulk import DEFAULT_BULK_CONNECTIONS, BulkLane
 from .redis_clients import (
     DEFAULT_BACKOFF_BASE,
     DEFAULT_BACKOFF_CAP,
@@ -74,6 +75,7 @@ class RedisOptions(TypedDict, total=False):
     breaker_max_reset: float
     max_connections: int
     socket_read_size: int
+    bulk_connections: int
     clock: Callable[[], float]
 
 
@@ -95,6 +97,8 @@ class RedisConnection:
         breaker_failures, breaker_reset, breaker_max_reset: the circuit breaker (see ``CircuitBreaker``).
         max_connections: connection pool size (per node in cluster mode).
         socket_read_size: bytes per socket read.
+        bulk_connections: sockets of the ``BulkLane`` that carries chunk values to one server (a
+            ``redis://``, ``rediss://`` or ``unix://`` URL); 0 sends them through redis-py too.
         clock: monotonic clock for the breaker (tests drive it).
 
     Raises:
@@ -117,6 +121,7 @@ class RedisConnection:
         breaker_max_reset: float = DEFAULT_BREAKER_MAX_RESET,
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         socket_read_size: int = DEFAULT_READ_SIZE,
+        bulk_connections: int = DEFAULT_BULK_CONNECTIONS,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.options = ClientOptions.from_url(
@@ -135,6 +140,11 @@ class RedisConnection:
         self.client: RedisClient = clients.client
         self._conn_kwargs = clients.connection_kwargs
         self._sentinel = clients.sentinel
+        if isinstance(bulk_connections, bool) or not isinstance(bulk_connections, int) or bulk_connections < 0:
+            raise ConfigError(f"redis bulk_connections must be an integer >= 0, got {bulk_connections!r}")
+        # Chunk values of one server go over blocking sockets in threads (``tiers.redis_bulk``).
+        self.bulk = (BulkLane(self.options, connections=bulk_connections)
+                     if bulk_connections and BulkLane.available(self.options) else None)
 
     def __repr__(self) -> str:
         return f"RedisConnection(url={self.url!r}, mode={self.target.mode})"
@@ -289,6 +299,8 @@ class RedisConnection:
         if self._probe is not None:
             self._probe.cancel()
             await asyncio.wait({self._probe}, timeout=1.0)
+        if self.bulk is not None:
+            self.bulk.close()
         with suppress(Exception):
             await self.client.aclose()
         if self._sentinel is not None:

@@ -19,6 +19,7 @@ import redis.exceptions as rex
 from .base import StatsCounter, TierRole, TierStats
 from .breaker import BreakerStats, CircuitBreaker
 from .errors import KVTierError
+from .redis_bulk import Buffer, BulkLane, Command
 from .redis_conn import AnyPipeline, RedisConnection, RedisOptions, ttl_seconds
 from .redis_urls import RedisTarget
 
@@ -98,11 +99,11 @@ class RedisTier:
             return {}, {}
         t0 = time.perf_counter()
         try:
-            results = await self.connection.pipeline("get", lambda pipe: self._fill_get(pipe, keys, with_ttl))
+            results = await self._get_replies(keys, with_ttl)
             if self._use_getex and self._refresh and any(_unknown_command(r) for r in results):
                 self._use_getex = False  # Redis < 6.2: pipelined GET + EXPIRE instead
                 log.info("redis %s has no GETEX; using GET + EXPIRE", self.url)
-                results = await self.connection.pipeline("get", lambda pipe: self._fill_get(pipe, keys, with_ttl))
+                results = await self._get_replies(keys, with_ttl)
         except KVTierError:
             self._stats.add(misses=len(keys), get_seconds=time.perf_counter() - t0)
             return {}, {}
@@ -146,6 +147,20 @@ class RedisTier:
     def _refresh(self) -> bool:
         return self.ttl is not None and self.refresh_on_hit
 
+    async def _get_replies(self, keys: Sequence[bytes], with_ttl: bool) -> list[Any]:
+        """Per key: [PTTL,] GETEX (or GET, or GET + EXPIRE), through the bulk lane when there is one
+        (values straight into buffers of their own), else one redis-py pipeline."""
+        lane = self.connection.bulk
+        if lane is None or (self._refresh and not self._use_getex):
+            return await self.connection.pipeline("get", lambda pipe: self._fill_get(pipe, keys, with_ttl))
+        if not self._refresh:
+            commands: list[Command] = [(b"GET", key) for key in keys]
+        else:
+            ex = (b"EX", b"%d" % self.ttl) if self.ttl is not None else ()
+            commands = [c for key in keys for c in ([(b"PTTL", key)] if with_ttl else []) + [(b"GETEX", key, *ex)]]
+        step = 2 if self._refresh and with_ttl else 1
+        return await self.connection.run("get", lambda: lane.execute(commands, step=step))
+
     def _fill_get(self, pipe: AnyPipeline, keys: Sequence[bytes], with_ttl: bool) -> None:
         if not self._refresh:
             for key in keys:
@@ -161,14 +176,24 @@ class RedisTier:
                 pipe.get(key)
                 pipe.expire(key, self.ttl)
 
-    async def put_many(self, items: Mapping[bytes, bytes]) -> int:
+    async def put_many(self, items: Mapping[bytes, Buffer]) -> int:
         """SET every item (with ``EX ttl``); returns how many the server accepted."""
         if not items:
             return 0
         t0 = time.perf_counter()
+        lane = self.connection.bulk
+        stored, nbytes, errors = await (self._put_bulk(lane, items) if lane is not None else self._put_pipelined(items))
+        self._stats.add(puts=stored, bytes_in=nbytes, put_seconds=time.perf_counter() - t0)
+        if errors:
+            self._stats.add(errors=errors)
+        return stored
+
+    async def _put_pipelined(self, items: Mapping[bytes, Buffer]) -> tuple[int, int, int]:
+        """SET ``items`` through redis-py, in pipelines of ``PUT_PIPELINE_BYTES``: (stored, bytes
+        stored, values refused)."""
         stored = nbytes = errors = 0
         for batch in _batches(items, PUT_PIPELINE_BYTES):
-            def fill(pipe: AnyPipeline, batch: list[tuple[bytes, bytes]] = batch) -> None:
+            def fill(pipe: AnyPipeline, batch: list[tuple[bytes, Buffer]] = batch) -> None:
                 for key, value in batch:
                     pipe.set(key, value, ex=self.ttl)
             try:
@@ -181,10 +206,19 @@ class RedisTier:
                     nbytes += len(value)
                 else:
                     errors += 1
-        self._stats.add(puts=stored, bytes_in=nbytes, put_seconds=time.perf_counter() - t0)
-        if errors:
-            self._stats.add(errors=errors)
-        return stored
+        return stored, nbytes, errors
+
+    async def _put_bulk(self, lane: BulkLane, items: Mapping[bytes, Buffer]) -> tuple[int, int, int]:
+        """SET ``items`` through the bulk lane: (stored, bytes stored, values refused)."""
+        ex = (b"EX", b"%d" % self.ttl) if self.ttl is not None else ()
+        commands: list[Command] = [(b"SET", key, value, *ex) for key, value in items.items()]
+        sizes = [memoryview(value).nbytes for value in items.values()]
+        try:
+            results = await self.connection.run("put", lambda: lane.execute(commands, sizes=sizes))
+        except KVTierError:
+            return 0, 0, 0  # counted by the connection
+        ok = [r == b"OK" for r in results]
+        return sum(ok), sum(n for n, good in zip(sizes, ok) if good), len(ok) - sum(ok)
 
     async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         """Pipelined EXISTS; an unreachable server answers "absent" for every key."""
@@ -238,8 +272,8 @@ def _unknown_command(result: Any) -> bool:
     return isinstance(result, rex.ResponseError) and "unknown command" in str(result).lower()
 
 
-def _batches(items: Mapping[bytes, bytes], max_bytes: int) -> list[list[tuple[bytes, bytes]]]:
-    batches: list[list[tuple[bytes, bytes]]] = [[]]
+def _batches(items: Mapping[bytes, Buffer], max_bytes: int) -> list[list[tuple[bytes, Buffer]]]:
+    batches: list[list[tuple[bytes, Buffer]]] = [[]]
     size = 0
     for key, value in items.items():
         if batches[-1] and size + len(value) > max_bytes:

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from .codec import Flags
+from .codec import Flags, Framed
 from .errors import KVTierError, TierUnavailable
 from .keys import (
     ChunkHash,
@@ -194,7 +194,7 @@ class SessionStore:
         return self.manifests.shared
 
     async def save(self, namespace: Namespace, session_id: str, tokens: Sequence[int] | np.ndarray,
-                   payloads: PayloadSource, tail_payload: bytes | bytearray | memoryview | None,
+                   payloads: PayloadSource, tail_payload: bytes | bytearray | memoryview | Framed | None,
                    *, node: str = "", kv_bytes: int = 0, n_chunks: int | None = None) -> Manifest:
         """Store the session's chunks and tail, then its manifest (over a damaged one, too).
 

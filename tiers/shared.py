@@ -31,7 +31,7 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from .base import StatsCounter, TierRole, TierStats, parse_size
+from .base import StatsCounter, TierRole, TierStats, Value, parse_size
 from .errors import ConfigError
 
 log = logging.getLogger("kvtier.shared")
@@ -280,19 +280,19 @@ class SharedTier:
 
     # -- writes ---------------------------------------------------------------------------------
 
-    async def put_many(self, items: Mapping[bytes, bytes]) -> int:
+    async def put_many(self, items: Mapping[bytes, Value]) -> int:
         if sum(len(v) for v in items.values()) > THREAD_PUT_BYTES:
             return await asyncio.to_thread(self.put_many_sync, items)
         return self.put_many_sync(items)
 
-    def put_many_sync(self, items: Mapping[bytes, bytes]) -> int:
+    def put_many_sync(self, items: Mapping[bytes, Value]) -> int:
         """Write the items (atomically each); returns how many were stored.
 
         Items are taken to be a prefix chain in order: when they do not all fit in the capacity,
         the leading ones that fit are stored, since a chunk is useless without its predecessors.
         """
         t0 = time.perf_counter()
-        keep: list[tuple[bytes, bytes]] = []
+        keep: list[tuple[bytes, Value]] = []
         total = 0
         for key, value in items.items():
             if total + len(value) > self.capacity:

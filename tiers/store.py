@@ -9,8 +9,8 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from .base import Tier, TierStats, attempt
-from .codec import BlobCodec, Flags
+from .base import Tier, TierStats, Value, attempt
+from .codec import BlobCodec, Flags, Framed
 from .keys import (
     ChunkHash,
     Namespace,
@@ -28,7 +28,7 @@ from .writethrough import WriteThrough
 __all__ = ["DEFAULT_QUEUE_LIMIT", "Announce", "ContentCheck", "FetchResult", "LookupResult", "PayloadSource", "StoreCounters",
            "StoreResult", "TailHit", "TieredStore", "Verified"]
 
-PayloadSource = Callable[[int], bytes | bytearray | memoryview]
+PayloadSource = Callable[[int], bytes | bytearray | memoryview | Framed]
 # (payload, expected first position, expected cell count) -> None when the payload holds those
 # cells, else what is wrong: the engine's check that a value holds what its key names (tiers knows
 # bytes, not KV; ``integrations.kvflow.content_mismatch`` is the llama.cpp one).
@@ -211,9 +211,9 @@ class TieredStore:
         t0 = time.perf_counter()
         keys = [chunk_key(namespace, h) for h in chain]
         ns_id = namespace.digest[:8]
-        blobs: dict[int, bytes] = {}
+        blobs: dict[int, Value] = {}
 
-        def blob(i: int) -> bytes:
+        def blob(i: int) -> Value:
             if i not in blobs:
                 blobs[i] = self.codec.encode(payloads(i), chunk_hash=chain[i], namespace_id=ns_id,
                                              n_tokens=namespace.chunk_tokens, flags=flags)
@@ -222,6 +222,11 @@ class TieredStore:
         written = await self._through.put_missing(keys, blob)
         self._writer.submit(keys, blob, announce=announce)  # encodes only what a background tier lacks
         return StoreResult(len(keys), len(written), sum(len(b) for b in blobs.values()), time.perf_counter() - t0)
+
+    async def first_missing_here(self, namespace: Namespace, chain: Sequence[ChunkHash]) -> int:
+        """The first chunk of ``chain`` that one of this node's tiers lacks (``len(chain)``: none
+        does): what a ``store`` of it will ask its payload source for first."""
+        return await self._through.first_missing([chunk_key(namespace, h) for h in chain])
 
     async def lookup_tail(self, namespace: Namespace, parent: bytes,
                           tokens: Sequence[int] | np.ndarray) -> TailHit | None:
@@ -241,7 +246,8 @@ class TieredStore:
         return TailHit(n, hashes[n - 1], keys[n - 1], tier)
 
     async def store_tail(self, namespace: Namespace, parent: bytes, tokens: Sequence[int] | np.ndarray,
-                         payload: bytes | bytearray | memoryview, *, announce: Announce | None = None) -> bytes:
+                         payload: bytes | bytearray | memoryview | Framed, *,
+                         announce: Announce | None = None) -> bytes:
         """Store the partial tail of ``tokens`` cells after chunk ``parent``; returns its key.
         ``announce`` as for ``store``."""
         h = tail_hash_after(parent, tokens)
@@ -262,11 +268,11 @@ class TieredStore:
             await self.put_raw_many(blobs)
         return list(blobs)
 
-    async def put_raw(self, key: bytes, blob: bytes, *, announce: Announce | None = None) -> None:
+    async def put_raw(self, key: bytes, blob: Value, *, announce: Announce | None = None) -> None:
         """Write one already encoded value to every tier (sync tiers now, background queued)."""
         await self.put_raw_many({key: blob}, announce=announce)
 
-    async def put_raw_many(self, blobs: Mapping[bytes, bytes], *, announce: Announce | None = None) -> None:
+    async def put_raw_many(self, blobs: Mapping[bytes, Value], *, announce: Announce | None = None) -> None:
         """Write already encoded values to every tier (sync tiers now, background queued)."""
         await self._through.put_many(blobs)
         keys = list(blobs)

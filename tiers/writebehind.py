@@ -9,12 +9,12 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from .base import Tier
+from .base import Tier, Value
 
 log = logging.getLogger("kvtier.store")
 
 DEFAULT_QUEUE_LIMIT = 32  # pending background jobs (one per stored state); the oldest is dropped past this
-BATCH_BYTES = 32 << 20  # bytes per background pipeline
+BATCH_BYTES = 256 << 20  # bytes per background call to a tier
 
 Announce = Callable[[list[bytes]], Awaitable[object]]
 
@@ -24,7 +24,7 @@ class _Job:
     """One pending background write: keys, and the encoded value of key ``i`` on demand."""
 
     keys: list[bytes]
-    blob: Callable[[int], bytes]
+    blob: Callable[[int], Value]
     enqueued: float = field(default_factory=time.monotonic)
     announce: Announce | None = None  # told the keys a background tier holds now that it did not before
     done: asyncio.Future[bool] | None = None  # a barrier: set once every job queued before it was written
@@ -60,7 +60,7 @@ class WriteBehind:
         """Jobs waiting (not the one being written)."""
         return len(self._queue)
 
-    def submit(self, keys: list[bytes], blob: Callable[[int], bytes], *,
+    def submit(self, keys: list[bytes], blob: Callable[[int], Value], *,
                announce: Announce | None = None) -> None:
         """Queue a write of ``keys`` (value ``blob(i)`` for key ``i``, asked for only if a tier lacks it).
 
@@ -130,7 +130,7 @@ class WriteBehind:
             present = await tier.contains_many(job.keys)
             missing = [i for i, ok in enumerate(present) if not ok]
             # Pipelines of ~32 MB keep each round trip large but bounded.
-            batch: dict[bytes, bytes] = {}
+            batch: dict[bytes, Value] = {}
             size = 0
             written: list[bytes] = []
             for n, i in enumerate(missing):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 
-from .base import Tier, attempt
+from .base import Tier, Value, attempt
 
 log = logging.getLogger("kvtier.store")
 
@@ -24,7 +24,7 @@ class WriteThrough:
     def __init__(self, tiers: Sequence[Tier]):
         self.tiers = list(tiers)
 
-    async def put_missing(self, keys: Sequence[bytes], blob: Callable[[int], bytes]) -> set[int]:
+    async def put_missing(self, keys: Sequence[bytes], blob: Callable[[int], Value]) -> set[int]:
         """Write to each tier the keys it lacks, the value of key ``i`` being ``blob(i)`` (asked for
         only when some tier lacks it); returns the indexes written to at least one tier."""
         written: set[int] = set()
@@ -40,7 +40,15 @@ class WriteThrough:
                 log.warning("put on tier %s failed", tier.name, exc_info=True)
         return written
 
-    async def put_many(self, blobs: Mapping[bytes, bytes]) -> None:
+    async def first_missing(self, keys: Sequence[bytes]) -> int:
+        """The index of the first key some tier here lacks (``len(keys)``: they hold every one)."""
+        first = len(keys)
+        for tier in self.tiers:
+            present = await attempt(tier.contains_many(keys[:first]), "contains", tier) or [False] * first
+            first = next((i for i, ok in enumerate(present) if not ok), first)
+        return first
+
+    async def put_many(self, blobs: Mapping[bytes, Value]) -> None:
         """Write already encoded values to every tier, whatever it holds."""
         for tier in self.tiers:
             await attempt(tier.put_many(blobs), "put", tier)
