@@ -126,7 +126,8 @@ class Aftercare:
         table = lease.table
         # Let the answer's last bytes reach the client first: on a small host the save (llama-server
         # writing the slot file, kvtier splitting it) would compete for the CPU with its delivery.
-        await asyncio.sleep(SAVE_DELAY_S)
+        # A request that continues the answer and waits for this slot ends the pause (below).
+        await table.until_awaited(lease.slot, SAVE_DELAY_S)
         if answer is not None:
             self._learn(plan, answer)
         if not ok and not cut:
@@ -139,6 +140,14 @@ class Aftercare:
             return False
         if await self._server_changed(plan):
             table.forget(lease.slot)
+            return False
+        if ok and plan.session_id is None and table.awaited(lease.slot):
+            # The conversation's next request (or the same prompt again) already waits for this
+            # slot: llama-server alone would serve it from the slot at once. Its own save stores all
+            # this one would, and more; saving now would only make it wait (and stall the others).
+            table.skip_save(lease.slot, plan.asked)
+            self.metrics.saves_skipped.inc()
+            free()
             return False
 
         def read() -> None:

@@ -100,6 +100,20 @@ class CostModel:
             per_token = self.readable_s_per_token
             return per_token.value * tokens if per_token.samples else None
 
+    def could_restore(self, gain: int, n_tokens: int, bytes_per_token: int) -> bool:
+        """Whether any lookup could lead to a restore when it brings at most ``gain`` tokens more
+        than the slot holds and the restore loads ``n_tokens`` (every byte from the fastest tier
+        measured): False spares the lookup. Restoring loads the whole prefix, not the gain, so a
+        slot that holds all but a few new tokens of a long prompt never gains from one; with a
+        smaller gain the restore is cheaper but the recompute more so (both are linear)."""
+        if gain <= 0 or gain < self.min_tokens:
+            return False
+        with self._lock:
+            fastest = max([self._fetch_prior, *(e.value for e in self.fetch_bps.values())])
+            nbytes = n_tokens * bytes_per_token
+            restore = self.FIXED_OVERHEAD_S + nbytes / fastest + nbytes / self.restore_bps.value
+            return restore < gain / self.prefill_tps.value * self.margin
+
     def decide(self, tokens: int, bytes_by_tier: dict[str, int]) -> Decision:
         """Should ``tokens`` be restored (reading ``bytes_by_tier``) instead of recomputed?"""
         with self._lock:

@@ -90,7 +90,11 @@ class Metrics:
                                   "without tokenizing them (nothing to restore)", registry=r)
         self.tokens_slot_reused = Counter("kvtier_tokens_slot_reused", "Prompt tokens already in the chosen slot", registry=r)
         self.restores = Counter("kvtier_restores", "Restores by source tier and outcome", ["tier", "outcome"], registry=r)
-        self.decisions = Counter("kvtier_cost_decisions", "Cost-model decisions", ["decision"], registry=r)
+        self.saves_skipped = Counter("kvtier_saves_skipped", "Saves after an answer not made: the conversation's "
+                                     "next request already waited for the slot (its own save stores it all)",
+                                     registry=r)
+        self.decisions = Counter("kvtier_cost_decisions", "Cost-model decisions: restore, recompute, or spared (no "
+                                 "lookup: no prefix the tiers could hold would be restored)", ["decision"], registry=r)
         self.prompt_end_saves = Counter("kvtier_prompt_end_saves", "States saved at a prompt's end, before its "
                                         "answer (--save-prompt-end): stored, or failed (the request goes on)",
                                         ["outcome"], registry=r)

@@ -85,6 +85,11 @@ class RestorePlanner:
         # tail) may be shorter than a chunk, so for those only the whole restorable length counts.
         if (limit if target.memory_kind.has_rest else limit // C * C) <= cached:
             return None
+        if not self.cost.could_restore(limit - cached, limit, target.bytes_per_token):
+            # No prefix the tiers could hold would be restored: spare the lookup's round trips to
+            # Redis (a conversation's next turn in the slot that holds it, the common case).
+            self.metrics.decisions.labels("spared").inc()
+            return None
         budget = budget if budget is not None else WaitBudget(self.save_wait)
         after = await find_prefix_waiting(
             self.store, self.pending if budget.left > 0 else None, namespace, tokens, target.shape, have=cached,

@@ -125,6 +125,7 @@ class SlotTable:
         self._waiters: collections.deque[tuple[asyncio.Future[Lease], np.ndarray, int | None, str]] = (
             collections.deque()
         )
+        self._awaited: dict[int, asyncio.Event] = {}  # slots whose save waits to learn that it is ``awaited``
 
     @property
     def n_slots(self) -> int:
@@ -181,6 +182,9 @@ class SlotTable:
         entry = (fut, tokens, want, owner)
         self._waiters.append(entry)
         self._wake()  # those ahead may wait for one slot in particular: this one may still go now
+        for slot, event in self._awaited.items():
+            if self.awaited(slot):
+                event.set()
         try:
             lease = await asyncio.wait_for(asyncio.shield(fut), timeout)
         except (TimeoutError, asyncio.CancelledError):
@@ -262,6 +266,39 @@ class SlotTable:
         record = self.slots[slot]
         record.served = record.saving = True
         record.answered = answered
+
+    def awaited(self, slot: int) -> bool:
+        """Whether a request waits for ``slot`` while its save runs that continues (or repeats) the
+        prompt the slot just answered, for the same tenant: the slot serves it as llama-server
+        alone would, and its own save stores all the slot holds."""
+        record = self.slots[slot]
+        if not record.saving or record.answered is None:
+            return False
+        answered, owner = record.answered
+        return any(not fut.done() and who == owner and want in (None, slot)
+                   and common_prefix(answered, tokens) == answered.size
+                   for fut, tokens, want, who in self._waiters)
+
+    async def until_awaited(self, slot: int, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for ``slot`` to be ``awaited``; whether it is."""
+        if self.awaited(slot):
+            return True
+        event = self._awaited[slot] = asyncio.Event()
+        try:
+            await asyncio.wait_for(event.wait(), timeout)
+        except TimeoutError:
+            pass
+        finally:
+            self._awaited.pop(slot, None)
+        return self.awaited(slot)
+
+    def skip_save(self, slot: int, asked: Asked) -> None:
+        """The save after an answer is not made (``awaited``): the slot holds at least the prompt
+        it answered, for that prompt's tenant, and the request it answered asked ``asked``."""
+        record = self.slots[slot]
+        assert record.answered is not None
+        self.set_tokens(slot, record.answered[0], owner=record.answered[1])
+        record.asked = asked
 
     def end_save(self, lease: Lease) -> None:
         """The save after an answer has read the slot (or will not read it): give the slot back for

@@ -187,6 +187,19 @@ def test_cost_model_restores_only_when_faster() -> None:
     assert not floor.decide(256, {"memory": 256}).restore
 
 
+def test_a_lookup_is_spared_when_no_prefix_could_be_restored() -> None:
+    cpu = CostModel(prefill_tps=200, restore_gbps=1.0)
+    # The slot holds 2,048 of 2,060 tokens: restoring all 2,060 never beats computing 12.
+    assert not cpu.could_restore(12, 2060, 23040)
+    assert cpu.could_restore(2059, 2060, 23040)  # an empty slot: a stored prefix may well pay
+    assert not cpu.could_restore(0, 2060, 23040)
+    # Whenever could_restore is False, no prefix up to that length would be decided a restore.
+    for gain, n in [(12, 2060), (300, 4096), (40, 512), (1000, 1200)]:
+        if not cpu.could_restore(gain, n, 131072):
+            assert not any(cpu.decide(g, {"memory": (n - gain + g) * 131072}).restore for g in range(1, gain + 1))
+    assert not CostModel(min_tokens=512).could_restore(300, 4096, 23040)
+
+
 def test_the_prefill_rate_is_learned_by_how_many_slots_compute_beside_it() -> None:
     model = CostModel(prefill_tps=300)
     assert model.prefill_rate(2) == 300  # nothing measured: the prior, at every level

@@ -1,0 +1,53 @@
+"""A prompt sent again the moment its answer ends (a client retrying, a benchmark calibrating
+itself, an agent's next step already here): llama-server alone serves it from the slot at once.
+kvtier must too, rather than make it wait for the save of the answer it repeats or continues;
+the save of the new answer stores what the slot holds.
+
+Real llama-servers (SmolLM2, two slots each), a real Valkey.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from sidecar import aftercare
+from tests.servers import RedisProc
+from tests.sidecars import post
+from tests.test_aborted_answers import SYSTEM, node
+
+pytestmark = pytest.mark.llama
+
+SAVE_DELAY_S = 1.5  # the save starts late here (as on a loaded host): the repeat surely finds it pending
+
+
+def text(question: str, n: int) -> dict[str, Any]:
+    return {"prompt": f"{SYSTEM}\nQuestion: {question}\nAnswer:", "n_predict": n, "temperature": 0}
+
+
+async def test_a_prompt_sent_again_at_once_is_served_from_its_slot_without_waiting_for_the_save(
+        redis_srv: RedisProc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(aftercare, "SAVE_DELAY_S", SAVE_DELAY_S)
+    async with node(tmp_path, redis_srv.url, "a") as (llama_a, a), node(tmp_path, redis_srv.url, "b") as (_, b):
+        async with aiohttp.ClientSession() as s, s.post(llama_a.url + "/tokenize", json={"content": SYSTEM}) as r:
+            shared = len((await r.json())["tokens"])
+        body = text("What does shelf 7 hold?", 8)
+        first = await post(a.url + "/completion", body)
+        assert first.status == 200
+        again = await post(a.url + "/completion", body)
+        assert again.status == 200 and again.content == first.content
+        assert again.body["timings"]["prompt_n"] <= 2, again.body["timings"]  # the slot's own KV, reused
+        # It ended the pause before the first answer's save, which was not made: llama-server never
+        # stopped for it, and the repeat did not wait for it (bench neverworse times that).
+        assert a.metric("kvtier_saves_skipped_total") == 1
+
+        # The repeat's own save stores what the slot holds: another node restores the prefix.
+        await a.engine.drain(30)
+        assert await a.store.flush(30)
+        assert a.metric("kvtier_save_seconds_count") == 1
+        there = await post(b.url + "/completion", text("What does shelf 9 hold?", 8))
+        assert there.status == 200
+        assert there.body["timings"]["cache_n"] >= 0.95 * shared, (there.body["timings"], shared)
