@@ -1,0 +1,549 @@
+"""``python -m bench datapath``: issue #28's data path at an 8B model's KV size, floors and kvtier
+side by side in one run.
+
+    python -m bench datapath                 # 4,000 and 8,000 tokens, 3 reps (~30-60 min on 2 cores)
+    python -m bench datapath --quick         # 4,000 tokens, 1 rep
+    python -m bench datapath --sizes 2000 --reps 2 --b-tokens 300 --json /tmp/dp.json
+
+The model has random weights (``tests/ggufgen.py``) and Llama-3-8B's KV shape: 32 layers, 8 KV
+heads of 128, f16, 128 KiB per token (1 GiB per 8k-token slot); generated once into
+``$KVTIER_CACHE/models``. Every llama-server runs ``-np 2 -t THREADS --cache-ram 0``, slots on
+/dev/shm; kvtier runs two nodes on one Valkey. Rows per prompt size, medians over the reps:
+
+- floors: llama-server's own save of the slot (``save_ms``) and restore of that file
+  (``restore_ms``); redis-py asyncio SET then GET of those bytes in 256-token values (32 MiB) over
+  1 and 4 connections; the prompt's prefill. Save steps offline: kvtier's parse, split and encode
+  of the file, in this process.
+- kvtier save: a /completion (``n_predict`` 4) through node A's sidecar, from the answer's end
+  until Redis holds its chunks and tail: the sidecar's ``kvtier_save_readable_seconds`` (timed by
+  the sidecar from the answer's end to the write-behind barrier: exactly that interval), checked by
+  the client polling Redis for the keys every 20 ms; ``save_seconds``: until the local tiers hold it.
+- kvtier restore: the prompt + 16 new tokens on node B (fresh: from Redis), and on node A once
+  other prompts took both its slots (its RAM tier): ``kvtier_restore_seconds`` by phase, the TTFT,
+  llama-server's ``prompt_n`` (only the new tokens computed: the restore was used).
+- stall: user B streams ``--b-tokens`` tokens on one slot from the first token of user A's answer
+  on the other; after A's answer ends, no save, llama-server's own save of A's slot, or kvtier's save
+  (through the sidecar, as B). B's longest and median gap between tokens after A's end.
+- CPU: the sidecar's utime + stime and minor faults (``/proc/PID/stat``) from the answer's end until
+  the save is done, per GB saved; from the request to its answer, per GB restored.
+
+Writes ``bench/results/datapath.json`` (every rep, with the load average seen).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from launch import Node, smollm2_path
+
+from .common import (
+    RESULTS_DIR,
+    Cluster,
+    client_session,
+    cluster,
+    complete,
+    console,
+    delta,
+    exact_tokens,
+    machine,
+    post_json,
+    print_table,
+    redis_client,
+    redis_flush,
+    redis_or_given,
+    scrape,
+    versions,
+    wait_idle,
+    write_json,
+)
+
+# Llama-3-8B's KV: 32 layers x (K + V) x 8 KV heads x 128 x 2 bytes (f16) = 128 KiB per token.
+SHAPE = {"n_layer": 32, "n_embd": 256, "n_head": 8, "n_head_kv": 8, "head_dim": 128, "n_ff": 512}
+KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2
+MODEL_NAME = "kvtier-random-l32-e256-h8-kv8x128-ff512.gguf"
+CHUNK_TOKENS = 256  # kvtier's chunk, and the raw Redis floor's piece (32 MiB)
+NEW_TOKENS = 16  # appended to a saved prompt for a restore
+OTHER_TOKENS = 512  # the prompts that overwrite a node's slots before the same-node restore
+A_ANSWER = 32  # tokens of user A's answer in the stall test (B starts at its first)
+SLOT_MARGIN = 320  # tokens per slot beyond the prompt (new tokens, answers)
+PHASES = ("fetch", "assemble", "write", "llama")
+POLL_S = 0.02
+
+
+def model_8b() -> str:
+    """The 8B-KV-shaped random model, generated once into the kvtier cache."""
+    cache = Path(os.environ.get("KVTIER_CACHE", Path.home() / ".cache" / "kvtier")) / "models"
+    path = cache / MODEL_NAME
+    if not path.exists():
+        from tests.ggufgen import ModelShape, write_random_llama
+
+        cache.mkdir(parents=True, exist_ok=True)
+        console.print(f"datapath: generating {path.name}")
+        tmp = path.with_suffix(".partial")
+        write_random_llama(tmp, smollm2_path(), ModelShape(**SHAPE))
+        tmp.rename(path)
+    return str(path)
+
+
+def llama_args(n_tokens: int, threads: int) -> list[str]:
+    return ["-c", str(2 * (n_tokens + SLOT_MARGIN)), "-np", "2", "-t", str(threads), "--cache-ram", "0"]
+
+
+@dataclass(frozen=True, slots=True)
+class ProcTimes:
+    """A process's CPU seconds (all its threads) and minor page faults (``/proc/PID/stat``)."""
+
+    user: float
+    sys: float
+    faults: int
+
+    @classmethod
+    def of(cls, pid: int) -> ProcTimes:
+        f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()  # fields from the 3rd on
+        tick = os.sysconf("SC_CLK_TCK")
+        return cls(int(f[11]) / tick, int(f[12]) / tick, int(f[7]))  # utime, stime, minflt
+
+    def since(self, before: ProcTimes, nbytes: int) -> dict[str, Any]:
+        """CPU and faults since ``before``, per GB of ``nbytes``; ``fault_passes``: the faulted 4 KiB
+        pages over ``nbytes`` (how many times that much fresh memory was touched)."""
+        user, sys_, faults = self.user - before.user, self.sys - before.sys, self.faults - before.faults
+        return {"cpu_s": round(user + sys_, 2), "user_s": round(user, 2), "sys_s": round(sys_, 2), "minflt": faults,
+                "cpu_s_per_gb": round((user + sys_) / (nbytes / 1e9), 2) if nbytes else None,
+                "fault_passes": round(faults * 4096 / nbytes, 2) if nbytes else None}
+
+
+def sidecar_pid(node: Node) -> int:
+    assert node.sidecar is not None and node.sidecar.proc is not None
+    return node.sidecar.proc.pid
+
+
+def gbps(nbytes: float, seconds: float) -> float | None:
+    return round(nbytes / seconds / 1e9, 3) if seconds > 0 else None
+
+
+def load_avg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+# -- streams with the time of each token ----------------------------------------------------------
+
+
+@dataclass
+class Stream:
+    """A streamed native completion: when each token event arrived (perf_counter) and its timings."""
+
+    times: list[float] = field(default_factory=list)
+    timings: dict[str, Any] = field(default_factory=dict)
+    end: float = 0.0
+
+
+async def timed_stream(s: aiohttp.ClientSession, url: str, body: dict[str, Any],
+                       first: asyncio.Event | None = None) -> Stream:
+    out = Stream()
+    async with s.post(url + "/completion", json={**body, "stream": True}) as r:
+        if r.status != 200:
+            raise RuntimeError(f"{url}: HTTP {r.status}: {(await r.text())[:300]}")
+        buf = b""
+        async for piece in r.content.iter_any():
+            now = time.perf_counter()
+            buf += piece
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                if not event.startswith(b"data: ") or event.strip() == b"data: [DONE]":
+                    continue
+                data = json.loads(event[6:])
+                if not data.get("stop"):
+                    out.times.append(now)
+                    if first is not None:
+                        first.set()
+                out.timings = data.get("timings") or out.timings
+    out.end = time.perf_counter()
+    return out
+
+
+def body(prompt: list[int], n_predict: int, **extra: Any) -> dict[str, Any]:
+    return {"prompt": prompt, "n_predict": n_predict, "temperature": 0, "cache_prompt": True, **extra}
+
+
+async def stall_round(s: aiohttp.ClientSession, a_url: str, a_body: dict[str, Any], b_url: str,
+                      b_body: dict[str, Any], save: Callable[[], Awaitable[dict[str, Any]]] | None) -> dict[str, Any]:
+    """A answers; B starts at A's first token; once A's answer ends ``save`` runs. B's gaps after A's end."""
+    first = asyncio.Event()
+    a_task = asyncio.create_task(timed_stream(s, a_url, a_body, first))
+    waiter = asyncio.create_task(first.wait())
+    await asyncio.wait({a_task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    b_task = asyncio.create_task(timed_stream(s, b_url, b_body))
+    a = await a_task
+    saved = await save() if save is not None else {}
+    b = await b_task
+    # Gaps ending after A's answer ended (the one spanning its end included).
+    after = max(1, next((i for i, t in enumerate(b.times) if t > a.end), len(b.times)))
+    gaps = [1e3 * (b.times[i] - b.times[i - 1]) for i in range(after, len(b.times))]
+    out = {"a_prompt_ms": a.timings.get("prompt_ms", 0.0), "b_tokens_after": len(gaps),
+           "max_gap_ms": round(max(gaps, default=0.0), 1),
+           "p50_gap_ms": round(statistics.median(gaps), 2) if gaps else 0.0,
+           "b_after_s": round((b.times[-1] - a.end) if b.times else 0.0, 2), **saved}
+    out["covered"] = "save_s" not in out or out["b_after_s"] > out["save_s"]
+    return out
+
+
+# -- floors ---------------------------------------------------------------------------------------
+
+
+async def redis_floor(url: str, data: memoryview, conns: int, piece: int) -> dict[str, Any]:
+    """SET then GET of ``data`` in ``piece``-byte values over ``conns`` parallel connections."""
+    pieces = [data[i: i + piece] for i in range(0, len(data), piece)]
+    keys = [f"datapath-floor:{i}".encode() for i in range(len(pieces))]
+    clients = [redis_client(url) for _ in range(conns)]
+    try:
+        await asyncio.gather(*(c.ping() for c in clients))
+
+        async def run(op: Callable[[Any, int], Awaitable[Any]]) -> float:
+            async def share(k: int) -> None:
+                for i in range(k, len(pieces), conns):
+                    await op(clients[k], i)
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*(share(k) for k in range(conns)))
+            return time.perf_counter() - t0
+
+        got: list[int] = []
+        set_s = await run(lambda c, i: c.set(keys[i], pieces[i]))
+
+        async def get(c: Any, i: int) -> None:
+            got.append(len(await c.get(keys[i]) or b""))
+
+        get_s = await run(get)
+        assert sum(got) == len(data), "Redis returned other bytes than were set"
+        await clients[0].unlink(*keys)
+    finally:
+        for c in clients:
+            await c.aclose()
+    return {"conns": conns, "set_ms": round(1e3 * set_s, 1), "get_ms": round(1e3 * get_s, 1),
+            "set_gbps": gbps(len(data), set_s), "get_gbps": gbps(len(data), get_s)}
+
+
+def save_steps(data: bytes) -> dict[str, float]:
+    """kvtier's save steps on a saved file, in this process: parse, split into chunks, encode each."""
+    from integrations.chunksplit import split_state
+    from integrations.stateparse import parse_state
+    from tiers.codec import BlobCodec
+
+    t0 = time.perf_counter()
+    state = parse_state(data)
+    t1 = time.perf_counter()
+    split = split_state(state, CHUNK_TOKENS, tail=True)
+    t2 = time.perf_counter()
+    codec = BlobCodec("adaptive")
+    encoded = sum(len(codec.encode(c, chunk_hash=bytes(16), namespace_id=bytes(8), n_tokens=CHUNK_TOKENS))
+                  for c in split.chunks)
+    t3 = time.perf_counter()
+    return {"parse_ms": round(1e3 * (t1 - t0), 1), "split_ms": round(1e3 * (t2 - t1), 1),
+            "encode_ms": round(1e3 * (t3 - t2), 1), "encoded_bytes": encoded}
+
+
+async def llama_floor(s: aiohttp.ClientSession, node: Node, redis_url: str, conns: list[int]) -> dict[str, Any]:
+    """llama-server's own save of slot 0 and restore of that file; then Redis and the save steps on its bytes."""
+    name = "datapath-floor.bin"
+    path = node.slot_dir / name
+    try:
+        saved, _ = await post_json(s, f"{node.llama_url}/slots/0?action=save", {"filename": name})
+        restored, _ = await post_json(s, f"{node.llama_url}/slots/0?action=restore", {"filename": name})
+        t0 = time.perf_counter()
+        data = path.read_bytes()
+        read_ms = 1e3 * (time.perf_counter() - t0)
+    finally:
+        path.unlink(missing_ok=True)
+    save_ms, restore_ms = float(saved["timings"]["save_ms"]), float(restored["timings"]["restore_ms"])
+    piece = CHUNK_TOKENS * KV_BYTES_PER_TOKEN
+    out: dict[str, Any] = {
+        "n_saved": int(saved["n_saved"]), "file_bytes": len(data), "save_ms": save_ms, "restore_ms": restore_ms,
+        "save_gbps": gbps(len(data), save_ms / 1e3), "restore_gbps": gbps(len(data), restore_ms / 1e3),
+        "redis": [await redis_floor(redis_url, memoryview(data), c, piece) for c in conns]}
+    out["steps"] = {"read_ms": round(read_ms, 1), **save_steps(data)}
+    return out
+
+
+async def alone_rep(s: aiohttp.ClientSession, node: Node, redis_url: str, n: int, r: int,
+                    a: argparse.Namespace) -> dict[str, Any]:
+    """Stall without a save, the floors, then stall with llama-server's own save (one llama-server)."""
+    url = node.llama_url
+    prompt = await exact_tokens(s, url, n, seed=r)
+    extra = await exact_tokens(s, url, NEW_TOKENS, seed=950 + r)
+    b_body = body(await exact_tokens(s, url, 64, seed=900 + r), a.b_tokens, id_slot=1, ignore_eos=True)
+    out: dict[str, Any] = {"rep": r, "load_avg": load_avg()}
+    out["stall_none"] = await stall_round(s, url, body(prompt, A_ANSWER, id_slot=0), url, b_body, None)
+    out["recompute_ms"] = out["stall_none"]["a_prompt_ms"]
+    out["floor"] = await llama_floor(s, node, redis_url, a.conns)
+
+    async def llama_save() -> dict[str, Any]:
+        t0 = time.perf_counter()
+        saved, _ = await post_json(s, f"{url}/slots/0?action=save", {"filename": "datapath-stall.bin"})
+        (node.slot_dir / "datapath-stall.bin").unlink(missing_ok=True)
+        return {"save_s": round(time.perf_counter() - t0, 3), "save_ms": float(saved["timings"]["save_ms"])}
+
+    out["stall_llama"] = await stall_round(s, url, body(prompt + extra, A_ANSWER, id_slot=0), url, b_body, llama_save)
+    return out
+
+
+# -- kvtier ---------------------------------------------------------------------------------------
+
+
+async def key_counts(url: str) -> tuple[int, int]:
+    """kvtier's chunk keys (``:c:``) and automatic tail keys (``:a:``) in Redis."""
+    client = redis_client(url)
+    try:
+        keys = [k async for k in client.scan_iter(match="kvtier:*:[ca]:*", count=1000)]
+    finally:
+        await client.aclose()
+    chunks = sum(1 for k in keys if b":c:" in k)
+    return chunks, len(keys) - chunks
+
+
+async def redis_holds(url: str, chunks: int, tails: int, since: float, timeout: float = 300) -> float:
+    """Seconds from ``since`` until Redis holds ``chunks`` chunk keys and ``tails`` tail keys (polled)."""
+    while time.perf_counter() - since < timeout:
+        c, t = await key_counts(url)
+        if c >= chunks and t >= tails:
+            return time.perf_counter() - since
+        await asyncio.sleep(POLL_S)
+    raise TimeoutError(f"Redis did not hold {chunks} chunks in {timeout:.0f} s")
+
+
+async def kvtier_save(s: aiohttp.ClientSession, cl: Cluster, redis_url: str, prompt: list[int]) -> dict[str, Any]:
+    """A completion through node A's sidecar; from its end until Redis holds the chunks and the tail."""
+    node, urls = cl.nodes[0], [n.sidecar_url for n in cl.nodes]
+    base = await key_counts(redis_url)
+    m0 = await scrape(s, node.sidecar_url)
+    reply = await complete(s, node.sidecar_url, prompt, 4)
+    t_end, c0 = time.perf_counter(), ProcTimes.of(sidecar_pid(node))
+    client_s = await redis_holds(redis_url, base[0] + (len(prompt) + 3) // CHUNK_TOKENS, base[1] + 1, t_end)
+    await wait_idle(s, urls)
+    c1 = ProcTimes.of(sidecar_pid(node))
+    m1 = await scrape(s, node.sidecar_url)
+    readable = delta(m1, m0, "kvtier_save_readable_seconds_sum")
+    kv = len(prompt) * KV_BYTES_PER_TOKEN
+    return {"readable_ms": round(1e3 * readable, 1), "client_ms": round(1e3 * client_s, 1),
+            "save_seconds_ms": round(1e3 * delta(m1, m0, "kvtier_save_seconds_sum"), 1),
+            "saves": delta(m1, m0, "kvtier_save_readable_seconds_count"), "gbps": gbps(kv, readable),
+            "client_gbps": gbps(kv, client_s), **c1.since(c0, kv),
+            "redis_bytes": delta(m1, m0, "kvtier_tier_bytes_written_total", tier="redis"),
+            "prompt_n": reply.recomputed_tokens, "load_avg": load_avg()}
+
+
+async def kvtier_restore(s: aiohttp.ClientSession, cl: Cluster, node: Node, prompt: list[int]) -> dict[str, Any]:
+    """The prompt through ``node``'s sidecar: its restore's time by phase, TTFT, prompt_n, CPU."""
+    m0 = await scrape(s, node.sidecar_url)
+    c0 = ProcTimes.of(sidecar_pid(node))
+    reply = await complete(s, node.sidecar_url, prompt, 4)
+    c1 = ProcTimes.of(sidecar_pid(node))
+    m1 = await scrape(s, node.sidecar_url)
+    await wait_idle(s, [n.sidecar_url for n in cl.nodes])
+    restore_s = delta(m1, m0, "kvtier_restore_seconds_sum")
+    kv = reply.restored_tokens * KV_BYTES_PER_TOKEN
+    return {"restore_ms": round(1e3 * restore_s, 1), "gbps": gbps(kv, restore_s),
+            "phases_ms": {p: round(1e3 * delta(m1, m0, "kvtier_restore_phase_seconds_sum", phase=p), 1)
+                          for p in PHASES},
+            "ttft_ms": reply.ttft_ms, "prompt_n": reply.recomputed_tokens, "restored_tokens": reply.restored_tokens,
+            "overhead_ms": round(1e3 * delta(m1, m0, "kvtier_overhead_seconds_sum"), 1),  # before forwarding
+            "save_wait_ms": round(1e3 * delta(m1, m0, "kvtier_save_wait_seconds_sum"), 1),
+            "llama_prompt_ms": reply.prompt_ms,
+            "tier": reply.restore_tier, **c1.since(c0, kv), "load_avg": load_avg()}
+
+
+async def kvtier_stall(s: aiohttp.ClientSession, cl: Cluster, redis_url: str, prompt: list[int],
+                       b_prompt: list[int], b_tokens: int) -> dict[str, Any]:
+    """The stall round through node A's sidecar; the save ends when Redis holds it (polled)."""
+    node = cl.nodes[0]
+    base = await key_counts(redis_url)
+    m0 = await scrape(s, node.sidecar_url)
+
+    async def kvtier_saves() -> dict[str, Any]:
+        t_end = time.perf_counter()
+        client_s = await redis_holds(redis_url, base[0] + (len(prompt) + A_ANSWER - 1) // CHUNK_TOKENS, base[1] + 1, t_end)
+        m1 = await scrape(s, node.sidecar_url)  # now: B's own save, after its answer, would count too
+        return {"save_s": round(client_s, 3),
+                "readable_ms": round(1e3 * delta(m1, m0, "kvtier_save_readable_seconds_sum"), 1)}
+
+    out = await stall_round(s, node.sidecar_url, body(prompt, A_ANSWER), node.sidecar_url,
+                            body(b_prompt, b_tokens, ignore_eos=True), kvtier_saves)
+    await wait_idle(s, [n.sidecar_url for n in cl.nodes])
+    return out
+
+
+async def kvtier_rep(s: aiohttp.ClientSession, cl: Cluster, redis_url: str, n: int, r: int,
+                     a: argparse.Namespace) -> dict[str, Any]:
+    """Save on node A, restore on node B (Redis), then on A after its slots were overwritten (RAM); stall."""
+    node_a, node_b = cl.nodes
+    urls = [x.sidecar_url for x in cl.nodes]
+    # An empty Redis (its memory), but not a purge: that would also remove the restore files each
+    # node keeps for its next restore, which a node that has restored before has.
+    await redis_flush(redis_url)
+    tok = node_a.llama_url
+    prompt = await exact_tokens(s, tok, n, seed=100 + r)
+    out: dict[str, Any] = {"rep": r, "save": await kvtier_save(s, cl, redis_url, prompt)}
+    other_end = await exact_tokens(s, tok, NEW_TOKENS, seed=960 + r)
+    out["restore_other"] = await kvtier_restore(s, cl, node_b, prompt + other_end)
+    for k in range(2):  # both of A's slots now hold other prompts (least recently used first)
+        await complete(s, node_a.sidecar_url, await exact_tokens(s, tok, OTHER_TOKENS, seed=700 + 10 * r + k), 4)
+    await wait_idle(s, urls)
+    same_end = await exact_tokens(s, tok, NEW_TOKENS, seed=970 + r)  # not B's: its tail is in Redis only
+    out["restore_same"] = await kvtier_restore(s, cl, node_a, prompt + same_end)
+    stall_prompt = await exact_tokens(s, tok, n, seed=200 + r)
+    b_prompt = await exact_tokens(s, tok, 64, seed=900 + r)
+    out["stall_kvtier"] = await kvtier_stall(s, cl, redis_url, stall_prompt, b_prompt, a.b_tokens)
+    return out
+
+
+# -- run and report -------------------------------------------------------------------------------
+
+
+async def run_size(a: argparse.Namespace, n: int, redis_url: str, model: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"n_tokens": n, "kv_bytes": n * KV_BYTES_PER_TOKEN}
+    await redis_flush(redis_url)
+    with cluster(1, llama_args(n, a.threads), sidecar=False, redis_url=None, model=model) as cl:
+        async with client_session() as s:
+            out["alone"] = []
+            for r in range(a.reps):
+                console.print(f"datapath: {n} tokens, llama-server alone, rep {r + 1}/{a.reps}")
+                out["alone"].append(await alone_rep(s, cl.nodes[0], redis_url, n, r, a))
+    await redis_flush(redis_url)
+    with cluster(2, llama_args(n, a.threads), sidecar=True, redis_url=redis_url, model=model) as cl:
+        async with client_session() as s:
+            for node in cl.nodes:  # a sidecar's first request probes llama-server: not in a measured one
+                await complete(s, node.sidecar_url, await exact_tokens(s, node.llama_url, 32, seed=999), 2)
+            await wait_idle(s, [node.sidecar_url for node in cl.nodes])
+            out["kvtier"] = []
+            for r in range(a.reps):
+                console.print(f"datapath: {n} tokens, kvtier, rep {r + 1}/{a.reps}")
+                out["kvtier"].append(await kvtier_rep(s, cl, redis_url, n, r, a))
+    return out
+
+
+def med(rows: list[dict[str, Any]], *path: str) -> float | None:
+    values = []
+    for row in rows:
+        v: Any = row
+        for p in path:
+            v = v.get(p) if isinstance(v, dict) else None
+        if isinstance(v, (int, float)):
+            values.append(float(v))
+    return round(statistics.median(values), 3) if values else None
+
+
+def num(x: float | None) -> str:
+    return "-" if x is None else f"{x:,.0f}"
+
+
+def pct(floor_ms: float | None, ms: float | None) -> float | None:
+    return round(100 * floor_ms / ms, 1) if floor_ms and ms else None
+
+
+def size_rows(res: dict[str, Any], conns: list[int]) -> list[list[Any]]:
+    """The table's rows of one prompt size (medians over the reps)."""
+    n, al, kv = res["n_tokens"], res["alone"], res["kvtier"]
+    fl = [x["floor"] for x in al]
+    save_floor, restore_floor = med(fl, "save_ms"), med(fl, "restore_ms")
+    rows: list[list[Any]] = [
+        [n, "floor: llama-server save (slot -> file)", save_floor, med(fl, "save_gbps"), None, ""],
+        [n, "floor: llama-server restore (file -> slot)", restore_floor, med(fl, "restore_gbps"), None, ""]]
+    for i, c in enumerate(conns):
+        redis = [x["redis"][i] for x in fl]
+        rows += [[n, f"floor: Redis SET, {c} conn", med(redis, "set_ms"), med(redis, "set_gbps"), None, "32 MiB values"],
+                 [n, f"floor: Redis GET, {c} conn", med(redis, "get_ms"), med(redis, "get_gbps"), None, ""]]
+    steps = [x["steps"] for x in fl]
+    rows.append([n, "save steps offline (bench process)", None, None, None,
+                 " / ".join(f"{k[:-3]} {num(med(steps, k))}" for k in ("read_ms", "parse_ms", "split_ms", "encode_ms"))
+                 + " ms"])
+    rows.append([n, "recompute (prefill)", med(al, "recompute_ms"), None, None, ""])
+    sv = [x["save"] for x in kv]
+    rows += [[n, "kvtier save: answer end -> Redis holds", med(sv, "readable_ms"), med(sv, "gbps"),
+              pct(save_floor, med(sv, "readable_ms")), "sidecar's save_readable_seconds"],
+             [n, "  the same, client polling Redis", med(sv, "client_ms"), med(sv, "client_gbps"),
+              pct(save_floor, med(sv, "client_ms")), ""],
+             [n, "  until the local tiers hold it", med(sv, "save_seconds_ms"), None, None, "save_seconds"]]
+    for key, label in (("restore_other", "other node"), ("restore_same", "same node")):
+        rs = [x[key] for x in kv]
+        tiers = ",".join(sorted({x["tier"] for x in rs}))
+        rows.append([n, f"kvtier restore, {label} ({tiers})", med(rs, "restore_ms"), med(rs, "gbps"),
+                     pct(restore_floor, med(rs, "restore_ms")),
+                     (f"TTFT {num(med(rs, 'ttft_ms'))} ms, computed {num(med(rs, 'prompt_n'))}, "
+                      f"restored {num(med(rs, 'restored_tokens'))}")])
+        rows.append([n, "  fetch / assemble / write / llama-server", None, None, None,
+                     " / ".join(num(med(rs, "phases_ms", p)) for p in PHASES)
+                     + f" ms; all before forwarding {num(med(rs, 'overhead_ms'))} ms"])
+    for key, label, src in (("stall_none", "no save", al), ("stall_llama", "llama-server save", al),
+                            ("stall_kvtier", "kvtier save", kv)):
+        st = [x[key] for x in src]
+        detail = f"p50 gap {med(st, 'p50_gap_ms')} ms"
+        if key != "stall_none":
+            covered = sum(x["covered"] for x in st)
+            detail += f", save {num(1e3 * (med(st, 'save_s') or 0))} ms, covered {covered}/{len(st)}"
+        rows.append([n, f"user B's longest gap: {label}", med(st, "max_gap_ms"), None, None, detail])
+    return rows + cpu_rows(n, al, kv)
+
+
+def cpu_rows(n: int, al: list[dict[str, Any]], kv: list[dict[str, Any]]) -> list[list[Any]]:
+    """The sidecar's CPU per GB (user / system seconds, minor faults), and the load average seen."""
+    rows = []
+    for key, label in (("save", "saved"), ("restore_other", "restored (other node)"),
+                       ("restore_same", "restored (same node)")):
+        xs = [x[key] for x in kv]
+        rows.append([n, f"kvtier CPU s per GB {label}", med(xs, "cpu_s_per_gb"), None, None,
+                     f"user {med(xs, 'user_s')} + sys {med(xs, 'sys_s')} s; fresh pages {med(xs, 'fault_passes')}x"])
+    loads = [x["load_avg"][0] for x in al] + [x[k]["load_avg"][0] for x in kv for k in ("save", "restore_other")]
+    rows.append([n, "load average (1 min) seen", None, None, None, f"{min(loads)} to {max(loads)}"])
+    return rows
+
+
+HEADERS = ["tokens", "measure", "ms (p50)", "GB/s (p50)", "% of floor", "detail"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench datapath", description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="4000,8000", help="prompt lengths in tokens")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="4,000 tokens, 1 rep")
+    p.add_argument("--threads", type=int, default=2, help="llama-server -t")
+    p.add_argument("--b-tokens", type=int, default=800, help="tokens user B streams in the stall test")
+    p.add_argument("--conns", default="1,4", help="parallel Redis connections of the raw floor")
+    p.add_argument("--redis-url", help="use this Redis instead of an embedded Valkey (it gets FLUSHALLed!)")
+    p.add_argument("--json", default=str(RESULTS_DIR / "datapath.json"))
+    a = p.parse_args(argv)
+    sizes = [4000] if a.quick else [int(x) for x in a.sizes.split(",") if x]
+    a.reps = 1 if a.quick else a.reps
+    a.conns = [int(x) for x in a.conns.split(",") if x]
+    model = model_8b()
+    started, before = time.time(), machine()
+    results = []
+    with redis_or_given(a.redis_url) as redis_url:
+        for n in sizes:
+            results.append(asyncio.run(run_size(a, n, redis_url, model)))
+            write_json(a.json, {"benchmark": "datapath", "partial": True, "results": results})  # a crash keeps these
+        vers = versions(redis_url)
+    rows = [row for res in results for row in size_rows(res, a.conns)]
+    after = machine()
+    print_table(f"KV data path, 8B KV shape ({KV_BYTES_PER_TOKEN // 1024} KiB/token), medians of {a.reps} rep(s); "
+                f"load avg {before['load_avg']} -> {after['load_avg']}", HEADERS, rows)
+    write_json(a.json, {"benchmark": "datapath", "command": "python -m bench datapath " + " ".join(argv or []),
+                        "settings": {k: v for k, v in vars(a).items() if k != "json"}, "model": MODEL_NAME,
+                        "shape": SHAPE, "machine": before, "load_avg_end": after["load_avg"], "versions": vers,
+                        "minutes": round((time.time() - started) / 60, 1), "results": results,
+                        "table": [dict(zip(HEADERS, r, strict=True)) for r in rows]})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
