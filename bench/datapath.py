@@ -191,10 +191,16 @@ async def stall_round(s: aiohttp.ClientSession, a_url: str, a_body: dict[str, An
     # Gaps ending after A's answer ended (the one spanning its end included).
     after = max(1, next((i for i, t in enumerate(b.times) if t > a.end), len(b.times)))
     gaps = [1e3 * (b.times[i] - b.times[i - 1]) for i in range(after, len(b.times))]
+    during = [g for i, g in zip(range(after, len(b.times)), gaps, strict=True)
+              if b.times[i] <= a.end + saved.get("save_s", 0.0)]  # gaps ending while the save ran
+    b_after_s = (b.times[-1] - a.end) if b.times else 0.0
     out = {"a_prompt_ms": a.timings.get("prompt_ms", 0.0), "b_tokens_after": len(gaps),
            "max_gap_ms": round(max(gaps, default=0.0), 1),
            "p50_gap_ms": round(statistics.median(gaps), 2) if gaps else 0.0,
-           "b_after_s": round((b.times[-1] - a.end) if b.times else 0.0, 2), **saved}
+           "b_after_s": round(b_after_s, 2), "b_tps": round(len(gaps) / b_after_s, 1) if b_after_s > 0 else None,
+           "b_tokens_during_save": len(during), **saved}
+    if saved.get("save_s"):  # B's tokens per second while the save ran (events relayed in bursts have no gaps)
+        out["b_tps_during_save"] = round(len(during) / saved["save_s"], 1)
     out["covered"] = "save_s" not in out or out["b_after_s"] > out["save_s"]
     return out
 
@@ -487,10 +493,11 @@ def size_rows(res: dict[str, Any], conns: list[int]) -> list[list[Any]]:
     for key, label, src in (("stall_none", "no save", al), ("stall_llama", "llama-server save", al),
                             ("stall_kvtier", "kvtier save", kv)):
         st = [x[key] for x in src]
-        detail = f"p50 gap {med(st, 'p50_gap_ms')} ms"
+        detail = f"p50 gap {med(st, 'p50_gap_ms')} ms, B {med(st, 'b_tps')} tok/s"
         if key != "stall_none":
             covered = sum(x["covered"] for x in st)
-            detail += f", save {num(1e3 * (med(st, 'save_s') or 0))} ms, covered {covered}/{len(st)}"
+            detail += (f"; save {num(1e3 * (med(st, 'save_s') or 0))} ms, B in it {med(st, 'b_tps_during_save')} "
+                       f"tok/s, covered {covered}/{len(st)}")
         rows.append([n, f"user B's longest gap: {label}", med(st, "max_gap_ms"), None, None, detail])
     return rows + cpu_rows(n, al, kv)
 
