@@ -42,8 +42,12 @@ def _map_and_remove(path: Path) -> bytes | memoryview:
         size = os.fstat(fd).st_size
         if size == 0:
             return b""
-        return memoryview(mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                                    prot=mmap.PROT_READ))
+        try:
+            return memoryview(mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                                        prot=mmap.PROT_READ))
+        except (OSError, ValueError):  # a file system that cannot map files: read it
+            with os.fdopen(os.dup(fd), "rb") as f:
+                return f.read()
     finally:
         os.close(fd)
         path.unlink(missing_ok=True)

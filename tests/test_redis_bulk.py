@@ -1,6 +1,7 @@
 """The bulk lane (``tiers.redis_bulk``): chunk values over blocking sockets, against real Valkey and
 against hostile or broken servers (split replies, absurd lengths, garbage, a close mid-value); and
-the zero-copy pieces around it (codec framing, framed splits, what the memory tier keeps)."""
+the zero-copy pieces around it (codec framing, framed splits, what the memory tier keeps, the
+saved slot file mapped)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import os
 import socket
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +18,7 @@ import redis
 
 from integrations.chunksplit import split_state
 from integrations.stateparse import parse_state
+from sidecar import slotfiles
 from tests.servers import RedisProc, redis_server
 from tests.test_statefile import logical, ref_file
 from tiers.codec import HEADER_SIZE, BlobCodec, Framed
@@ -195,3 +198,24 @@ def test_a_split_with_room_cuts_the_same_payloads_into_buffers_of_their_own() ->
         frame = room.framed(i)
         assert frame.buffer.nbytes == HEADER_SIZE + payload.nbytes and bytes(frame.payload) == bytes(payload)
     assert room.framed_tail is not None and bytes(room.framed_tail.payload) == bytes(plain.tail)
+
+
+# -- the saved slot file -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mappable", [True, False])
+def test_a_saved_slot_file_is_mapped_or_read_and_its_name_removed(tmp_path: Path, mappable: bool,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    data = os.urandom(3 * MB + 5)
+    path = tmp_path / "kvtier-save-0.bin"
+    path.write_bytes(data)
+    if not mappable:
+        def refuse(*args: object, **kwargs: object) -> None:
+            raise OSError("no mmap here")
+        monkeypatch.setattr(slotfiles.mmap, "mmap", refuse)
+    got = slotfiles._map_and_remove(path)
+    assert not path.exists()  # the name is gone at once; a mapping keeps the pages it needs
+    assert bytes(got) == data and isinstance(got, memoryview) == mappable
+    empty = tmp_path / "kvtier-save-1.bin"
+    empty.write_bytes(b"")
+    assert slotfiles._map_and_remove(empty) == b"" and not empty.exists()
