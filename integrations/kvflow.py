@@ -369,7 +369,9 @@ class LazyChunks:
 
     ``prepare(first)`` cuts chunk ``first`` and those after it in a worker thread (numpy copies
     release the GIL): the event loop, which relays other users' tokens, never copies a saved
-    gigabyte itself. A chunk asked for that was not prepared is cut where it is asked for.
+    gigabyte itself. The store awaits it before it asks for a payload, for its RAM tier and later
+    for Redis (which may lack chunks the RAM tier holds: a restarted Redis). A chunk asked for
+    that was not prepared is still cut where it is asked for.
     """
 
     def __init__(self, state: SeqState, chunk_tokens: int, room: int = 0):
@@ -384,7 +386,7 @@ class LazyChunks:
         return sorted(self._cut)
 
     async def prepare(self, first: int) -> None:
-        if first < chunks_of(self.state, self.chunk_tokens):
+        if first < chunks_of(self.state, self.chunk_tokens) and first not in self._cut:
             await asyncio.to_thread(self._cut_from, first)
 
     def _cut_from(self, first: int) -> None:
@@ -430,8 +432,6 @@ async def store_state(store: TieredStore, namespace: Namespace, state: SeqState,
     chain = prefix_chain(namespace, tokens, chunks_of(state, C))
     announce = announcer(events, namespace)
     lazy = LazyChunks(state, C, store.codec.head_room)
-    if chain:
-        await lazy.prepare(await store.first_missing_here(namespace, chain))
     chunks = await store.store(namespace, chain, lazy, announce=announce) if chain else None
     start = len(chain) * C
     new = None

@@ -46,6 +46,14 @@ def continues(held: Asked, asked: Asked) -> bool:
     return bool(held) and len(asked) == len(held) + 2 and asked[: len(held)] == held
 
 
+def _continues_answer(answered: tuple[np.ndarray, str], slot: int, fut: asyncio.Future[Any], tokens: np.ndarray,
+                      want: int | None, owner: str) -> bool:
+    """Whether a waiter (its future, prompt, wanted slot and tenant) repeats or continues the prompt
+    ``slot`` answered, for the same tenant."""
+    return (not fut.done() and owner == answered[1] and want in (None, slot)
+            and common_prefix(answered[0], tokens) == answered[0].size)
+
+
 @dataclass(slots=True)
 class Slot:
     """What kvtier knows of one slot (written by its ``SlotTable`` only)."""
@@ -268,24 +276,18 @@ class SlotTable:
         record.answered = answered
 
     def awaited(self, slot: int) -> bool:
-        """Whether a request waits for ``slot`` while its save runs that continues (or repeats) the
-        prompt the slot just answered, for the same tenant: the slot serves it as llama-server
-        alone would, and its own save stores all the slot holds."""
+        """Whether a request of the same tenant waits for ``slot`` while its save runs, repeating or
+        continuing the prompt it answered: the slot serves it as llama-server alone would."""
         record = self.slots[slot]
-        if not record.saving or record.answered is None:
-            return False
-        answered, owner = record.answered
-        return any(not fut.done() and who == owner and want in (None, slot)
-                   and common_prefix(answered, tokens) == answered.size
-                   for fut, tokens, want, who in self._waiters)
+        return record.saving and record.answered is not None and any(
+            _continues_answer(record.answered, slot, *entry) for entry in self._waiters)
 
     async def until_awaited(self, slot: int, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for ``slot`` to be ``awaited``; whether it is."""
-        if self.awaited(slot):
-            return True
         event = self._awaited[slot] = asyncio.Event()
         try:
-            await asyncio.wait_for(event.wait(), timeout)
+            if not self.awaited(slot):
+                await asyncio.wait_for(event.wait(), timeout)
         except TimeoutError:
             pass
         finally:

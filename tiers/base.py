@@ -8,7 +8,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Awaitable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, Self, TypeVar, runtime_checkable
 
@@ -27,6 +27,9 @@ class TierRole(enum.Enum):
 
 
 Value = bytes | memoryview  # an encoded value as tiers take and give it (a view: a buffer of its own)
+# Awaited before values are asked for, with the first index to be asked: a payload source that
+# must cut its payloads (a saved state's chunks) does it then, off the event loop.
+Prepare = Callable[[int], Awaitable[None]]
 
 
 @runtime_checkable

@@ -184,6 +184,7 @@ class BulkLane:
             try:
                 return self._run_once(commands)
             except (OSError, rex.ConnectionError):
+                self._drop_idle()  # a server that went away took every idle socket with it
                 if attempt == self.options.retries or self._closed:
                     raise
         raise AssertionError("unreachable")
@@ -209,6 +210,12 @@ class BulkLane:
             if self._idle:
                 return self._idle.pop()
         return self._connect()
+
+    def _drop_idle(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
 
     def _give_back(self, conn: _Socket) -> None:
         with self._lock:
@@ -252,9 +259,7 @@ class BulkLane:
         """Close the idle sockets and stop the threads (those in use close when their call ends)."""
         with self._lock:
             self._closed = True
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
+        self._drop_idle()
         self._pool.shutdown(wait=False)
 
 

@@ -202,6 +202,7 @@ class TieredStore:
         """Store the chunks of ``chain`` that are not stored yet.
 
         ``payloads(i)`` gives chunk ``i``'s payload; it is called only for chunks some tier lacks,
+        after ``payloads.prepare(i)`` is awaited with the first of them when it has that method,
         so a prefix shared by many sessions is split, encoded and sent once. The background writer
         may call it after this returns, so what it reads must not change (an immutable copy of the
         saved state): keys name tokens, not bytes, and a changed payload would be stored as valid.
@@ -219,14 +220,10 @@ class TieredStore:
                                              n_tokens=namespace.chunk_tokens, flags=flags)
             return blobs[i]
 
-        written = await self._through.put_missing(keys, blob)
-        self._writer.submit(keys, blob, announce=announce)  # encodes only what a background tier lacks
+        prepare = getattr(payloads, "prepare", None)  # a source that cuts its payloads off the loop
+        written = await self._through.put_missing(keys, blob, prepare)
+        self._writer.submit(keys, blob, announce=announce, prepare=prepare)  # encodes only what a background tier lacks
         return StoreResult(len(keys), len(written), sum(len(b) for b in blobs.values()), time.perf_counter() - t0)
-
-    async def first_missing_here(self, namespace: Namespace, chain: Sequence[ChunkHash]) -> int:
-        """The first chunk of ``chain`` that one of this node's tiers lacks (``len(chain)``: none
-        does): what a ``store`` of it will ask its payload source for first."""
-        return await self._through.first_missing([chunk_key(namespace, h) for h in chain])
 
     async def lookup_tail(self, namespace: Namespace, parent: bytes,
                           tokens: Sequence[int] | np.ndarray) -> TailHit | None:

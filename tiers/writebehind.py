@@ -9,7 +9,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from .base import Tier, Value
+from .base import Prepare, Tier, Value
 
 log = logging.getLogger("kvtier.store")
 
@@ -28,6 +28,7 @@ class _Job:
     enqueued: float = field(default_factory=time.monotonic)
     announce: Announce | None = None  # told the keys a background tier holds now that it did not before
     done: asyncio.Future[bool] | None = None  # a barrier: set once every job queued before it was written
+    prepare: Prepare | None = None  # awaited with the first index asked for, before ``blob``
     failures_before: int = 0  # a barrier's: failed and dropped jobs when it was queued
 
 
@@ -61,7 +62,7 @@ class WriteBehind:
         return len(self._queue)
 
     def submit(self, keys: list[bytes], blob: Callable[[int], Value], *,
-               announce: Announce | None = None) -> None:
+               announce: Announce | None = None, prepare: Prepare | None = None) -> None:
         """Queue a write of ``keys`` (value ``blob(i)`` for key ``i``, asked for only if a tier lacks it).
 
         The worker probes each tier itself (EXISTS before SET) and encodes only what is missing
@@ -70,7 +71,7 @@ class WriteBehind:
         """
         if not self.tiers:
             return
-        self._enqueue(_Job(keys, blob, announce=announce))
+        self._enqueue(_Job(keys, blob, announce=announce, prepare=prepare))
 
     def barrier(self) -> asyncio.Future[bool]:
         """A future set once every job queued so far has been written: True when each one
@@ -129,6 +130,8 @@ class WriteBehind:
         try:
             present = await tier.contains_many(job.keys)
             missing = [i for i, ok in enumerate(present) if not ok]
+            if missing and job.prepare is not None:
+                await job.prepare(missing[0])
             # Pipelines of ~32 MB keep each round trip large but bounded.
             batch: dict[bytes, Value] = {}
             size = 0

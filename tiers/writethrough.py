@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, Sequence
 
-from .base import Tier, Value, attempt
+from .base import Prepare, Tier, Value, attempt
 
 log = logging.getLogger("kvtier.store")
 
@@ -24,29 +24,25 @@ class WriteThrough:
     def __init__(self, tiers: Sequence[Tier]):
         self.tiers = list(tiers)
 
-    async def put_missing(self, keys: Sequence[bytes], blob: Callable[[int], Value]) -> set[int]:
+    async def put_missing(self, keys: Sequence[bytes], blob: Callable[[int], Value],
+                          prepare: Prepare | None = None) -> set[int]:
         """Write to each tier the keys it lacks, the value of key ``i`` being ``blob(i)`` (asked for
-        only when some tier lacks it); returns the indexes written to at least one tier."""
+        only when some tier lacks it; ``prepare(i)`` is awaited first with the first such ``i``);
+        returns the indexes written to at least one tier."""
         written: set[int] = set()
         for tier in self.tiers:
             present = await attempt(tier.contains_many(keys), "contains", tier)
             missing = [i for i, ok in enumerate(present or ()) if not ok]
             if not missing:
                 continue
+            if prepare is not None:
+                await prepare(missing[0])
             try:  # blob(i) encodes here: a payload that fails is a failed put
                 await tier.put_many({keys[i]: blob(i) for i in missing})
                 written.update(missing)
             except Exception:
                 log.warning("put on tier %s failed", tier.name, exc_info=True)
         return written
-
-    async def first_missing(self, keys: Sequence[bytes]) -> int:
-        """The index of the first key some tier here lacks (``len(keys)``: they hold every one)."""
-        first = len(keys)
-        for tier in self.tiers:
-            present = await attempt(tier.contains_many(keys[:first]), "contains", tier) or [False] * first
-            first = next((i for i, ok in enumerate(present) if not ok), first)
-        return first
 
     async def put_many(self, blobs: Mapping[bytes, Value]) -> None:
         """Write already encoded values to every tier, whatever it holds."""
