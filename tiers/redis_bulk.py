@@ -126,9 +126,10 @@ class _Socket:
 
 
 class BulkLane:
-    """Value commands to one server over ``connections`` blocking sockets, each used by one worker
-    thread at a time; a call's commands are cut into that many contiguous runs, each run pipelined
-    ``WINDOW`` commands ahead of its replies.
+    """Value commands to one server over blocking sockets, each used by one worker thread at a time;
+    a call's commands are cut into ``connections`` contiguous runs, each run pipelined ``WINDOW``
+    commands ahead of its replies. Reads and writes have threads of their own: a restore on the
+    request path never queues behind a background write of hundreds of megabytes.
 
     Args:
         options: the server (one host or a Unix socket), credentials, TLS and timeouts.
@@ -145,7 +146,8 @@ class BulkLane:
             raise ValueError("a bulk lane needs at least one connection")
         self.options = options
         self.connections = connections
-        self._pool = ThreadPoolExecutor(connections, thread_name_prefix="kvtier-bulk")
+        self._pools = {"read": ThreadPoolExecutor(connections, thread_name_prefix="kvtier-bulk-read"),
+                       "write": ThreadPoolExecutor(connections, thread_name_prefix="kvtier-bulk-write")}
         self._idle: list[_Socket] = []
         self._lock = threading.Lock()
         self._tls = _tls_context(options) if options.target.tls else None
@@ -156,13 +158,13 @@ class BulkLane:
         """True when ``options`` names one server a lane can serve."""
         return options.target.mode in ("standalone", "unix")
 
-    async def execute(self, commands: Sequence[Command], *, step: int = 1,
-                      sizes: Sequence[int] | None = None) -> list[Any]:
+    async def execute(self, commands: Sequence[Command], *, step: int = 1, sizes: Sequence[int] | None = None,
+                      writes: bool = False) -> list[Any]:
         """Run ``commands`` and return their replies in order (error replies as exceptions).
 
         ``step``: commands that must run in order on one socket come in runs of this many (a
         ``PTTL`` before the ``GETEX`` that refreshes it). ``sizes``: bytes each run sends, to
-        balance the sockets (equal when not given).
+        balance the sockets (equal when not given). ``writes``: run on the write threads.
 
         Raises:
             OSError / ConnectionError: a socket failed or the server sent no RESP (that socket is closed).
@@ -171,9 +173,9 @@ class BulkLane:
             raise ConnectionError("the bulk lane is closed")
         runs = [list(commands[i: i + step]) for i in range(0, len(commands), step)]
         groups = _balanced(sizes or [1] * len(runs), self.connections)
-        loop = asyncio.get_running_loop()
+        loop, pool = asyncio.get_running_loop(), self._pools["write" if writes else "read"]
         parts = await asyncio.gather(*(
-            loop.run_in_executor(self._pool, self._run, [c for i in group for c in runs[i]]) for group in groups))
+            loop.run_in_executor(pool, self._run, [c for i in group for c in runs[i]]) for group in groups))
         return [reply for part in parts for reply in part]
 
     def _run(self, commands: list[Command]) -> list[Any]:
@@ -260,7 +262,8 @@ class BulkLane:
         with self._lock:
             self._closed = True
         self._drop_idle()
-        self._pool.shutdown(wait=False)
+        for pool in self._pools.values():
+            pool.shutdown(wait=False)
 
 
 def _expect_ok(conn: _Socket, command: Command, what: str) -> None:

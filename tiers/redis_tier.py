@@ -214,7 +214,7 @@ class RedisTier:
         commands: list[Command] = [(b"SET", key, value, *ex) for key, value in items.items()]
         sizes = [memoryview(value).nbytes for value in items.values()]
         try:
-            results = await self.connection.run("put", lambda: lane.execute(commands, sizes=sizes))
+            results = await self.connection.run("put", lambda: lane.execute(commands, sizes=sizes, writes=True))
         except KVTierError:
             return 0, 0, 0  # counted by the connection
         ok = [r == b"OK" for r in results]
