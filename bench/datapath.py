@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -57,6 +58,7 @@ from .common import (
     delta,
     exact_tokens,
     machine,
+    metric,
     post_json,
     print_table,
     redis_client,
@@ -198,7 +200,8 @@ async def stall_round(s: aiohttp.ClientSession, a_url: str, a_body: dict[str, An
            "max_gap_ms": round(max(gaps, default=0.0), 1),
            "p50_gap_ms": round(statistics.median(gaps), 2) if gaps else 0.0,
            "b_after_s": round(b_after_s, 2), "b_tps": round(len(gaps) / b_after_s, 1) if b_after_s > 0 else None,
-           "b_tokens_during_save": len(during), **saved}
+           "b_tokens_during_save": len(during), **saved,
+           "b_times_ms": [round(1e3 * (t - a.end), 1) for t in b.times]}  # B's token arrivals, from A's end
     if saved.get("save_s"):  # B's tokens per second while the save ran (events relayed in bursts have no gaps)
         out["b_tps_during_save"] = round(len(during) / saved["save_s"], 1)
     out["covered"] = "save_s" not in out or out["b_after_s"] > out["save_s"]
@@ -432,10 +435,26 @@ async def run_size(a: argparse.Namespace, n: int, redis_url: str, model: str) ->
                 await complete(s, node.sidecar_url, await exact_tokens(s, node.llama_url, 32, seed=999), 2)
             await wait_idle(s, [node.sidecar_url for node in cl.nodes])
             out["kvtier"] = []
-            for r in range(a.reps):
-                console.print(f"datapath: {n} tokens, kvtier, rep {r + 1}/{a.reps}")
-                out["kvtier"].append(await kvtier_rep(s, cl, redis_url, n, r, a))
+            try:
+                for r in range(a.reps):
+                    console.print(f"datapath: {n} tokens, kvtier, rep {r + 1}/{a.reps}")
+                    out["kvtier"].append(await kvtier_rep(s, cl, redis_url, n, r, a))
+            except Exception:
+                await show_state(s, cl)  # the logs go with the cluster's directory
+                raise
     return out
+
+
+async def show_state(s: aiohttp.ClientSession, cl: Cluster) -> None:
+    """Each sidecar's pending saves, write queue and the end of its log, on the console."""
+    for node in cl.nodes:
+        with contextlib.suppress(Exception):
+            m = await scrape(s, node.sidecar_url)
+            console.print(f"{node.name}: pending saves {metric(m, 'kvtier_pending_saves')}, write queue "
+                          f"{metric(m, 'kvtier_write_queue_depth')}, Redis circuit {metric(m, 'kvtier_redis_circuit_open')}")
+        log = node.root / f"{node.name}-kvtier.log"
+        if log.exists():
+            console.print(f"--- {log.name}, its end:\n" + log.read_text(errors="replace")[-4000:], markup=False)
 
 
 def med(rows: list[dict[str, Any]], *path: str) -> float | None:
