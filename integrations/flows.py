@@ -27,6 +27,7 @@ from tiers.pending import PendingSaves
 from tiers.redis_backend import RedisBackend
 from tiers.sessions import Manifest, SessionStore
 from tiers.store import TieredStore
+from tiers.threads import in_thread
 
 from .chunkassemble import state_pieces
 from .kvflow import (
@@ -117,7 +118,7 @@ async def session_image(sessions: SessionStore, namespace: Namespace, session: s
     t0 = time.perf_counter()
     payloads, tier = await sessions.fetch(namespace, manifest)
     t1 = time.perf_counter()
-    pieces = await asyncio.to_thread(state_pieces, payloads, manifest.tokens, v_trans=v_trans, n_stream=n_stream)
+    pieces = await in_thread(state_pieces, payloads, manifest.tokens, v_trans=v_trans, n_stream=n_stream)
     return SessionImage(manifest, pieces, tier or "memory", t1 - t0, time.perf_counter() - t1)
 
 

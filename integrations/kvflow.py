@@ -46,6 +46,7 @@ from tiers.keys import (
 from tiers.pending import PendingMark, PendingSaves
 from tiers.sessions import Manifest, SessionError, SessionStore
 from tiers.store import Announce, FetchResult, LookupResult, StoreResult, TailHit, TieredStore
+from tiers.threads import in_thread
 
 from .chunks import read_chunk_header
 from .chunksplit import chunks_of, first_cells, split_state
@@ -441,8 +442,8 @@ async def store_state(store: TieredStore, namespace: Namespace, state: SeqState,
         refs = [] if state.has_rest else [ref for i in lazy.cut for ref in prefix_refs(
             parents[i], tokens[i * C: (i + 1) * C], REF_CHUNK)]
         if (chain or state.has_rest) and tokens.size > start:
-            cut = await asyncio.to_thread(split_state, state, C, first_chunk=len(chain), tail=True,
-                                          room=store.codec.head_room)
+            cut = await in_thread(split_state, state, C, first_chunk=len(chain), tail=True,
+                                  room=store.codec.head_room)
             tail = cut.framed_tail or cut.tail  # recurrent memory alone: one small tail, not framed
             assert tail is not None
             key = await store.store_tail(namespace, parents[-1], tokens[start:], tail, announce=announce)
@@ -472,8 +473,8 @@ async def save_session(sessions: SessionStore, namespace: Namespace, session_id:
         raise SessionError(f"this state cannot be split into chunks ({state.store_reason})")
     tokens = state.tokens.tokens
     # Cut off the event loop, each payload framed for the codec (as ``store_state`` does).
-    split = await asyncio.to_thread(split_state, state, namespace.chunk_tokens, tail=True,
-                                    room=sessions.store.codec.head_room)
+    split = await in_thread(split_state, state, namespace.chunk_tokens, tail=True,
+                            room=sessions.store.codec.head_room)
     manifest = await sessions.save(
         namespace, session_id, tokens, split.framed if split.frames else lambda i: split.chunks[i],
         split.framed_tail or split.tail,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Sequence
@@ -16,6 +15,7 @@ from integrations.kvflow import PrefixFound, TailRecord, fetch_prefix
 from tiers.keys import Namespace
 from tiers.sessions import Manifest, SessionStore
 from tiers.store import FetchResult, TieredStore
+from tiers.threads import in_thread
 
 from .costmodel import CostModel
 from .metrics import Metrics
@@ -104,8 +104,8 @@ class RestoreWriter:
         # The file as a list of slices of the payloads (and of transposed V blocks, for a server
         # without flash attention), written without joining them; off the event loop, as a
         # transposition copies half the state.
-        pieces = await asyncio.to_thread(state_pieces, payloads, tokens, v_trans=target.v_trans,
-                                         n_stream=target.n_stream)
+        pieces = await in_thread(state_pieces, payloads, tokens, v_trans=target.v_trans,
+                                 n_stream=target.n_stream)
         return await self._write(slot, pieces, time.perf_counter() - t0)
 
     async def _write(self, slot: int, pieces: list[memoryview], assemble_s: float) -> tuple[int, float]:

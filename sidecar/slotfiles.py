@@ -23,6 +23,7 @@ from integrations.llama_server import LlamaServerClient
 from integrations.statefile import SeqState
 from integrations.stateparse import parse_state
 from tiers.errors import KVTierError
+from tiers.threads import in_thread
 
 log = logging.getLogger("kvtier.engine")
 
@@ -103,7 +104,7 @@ class SlotFiles:
                 path.unlink(missing_ok=True)
                 await self.client.save_slot(slot, name)
             try:
-                data = await asyncio.to_thread(_map_and_remove, path)
+                data = await in_thread(_map_and_remove, path)
             except FileNotFoundError:
                 raise KVTierError(
                     f"llama-server saved slot {slot} but {path} does not exist: --slot-dir must be the "

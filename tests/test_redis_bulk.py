@@ -5,10 +5,13 @@ saved slot file mapped)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import gc
 import os
 import socket
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -25,6 +28,7 @@ from tiers.codec import HEADER_SIZE, BlobCodec, Framed
 from tiers.memory import MemoryTier
 from tiers.redis_bulk import READ_SIZE, _balanced
 from tiers.redis_tier import RedisTier
+from tiers.threads import in_pool, in_thread
 
 MB = 1 << 20
 
@@ -198,6 +202,28 @@ def test_a_split_with_room_cuts_the_same_payloads_into_buffers_of_their_own() ->
         frame = room.framed(i)
         assert frame.buffer.nbytes == HEADER_SIZE + payload.nbytes and bytes(frame.payload) == bytes(payload)
     assert room.framed_tail is not None and bytes(room.framed_tail.payload) == bytes(plain.tail)
+
+
+# -- results of worker threads --------------------------------------------------------------------------
+
+
+class Big:
+    """Stands for a mapped save file or a fetched state: weakly referable."""
+
+
+async def test_a_worker_threads_result_goes_when_its_caller_drops_it() -> None:
+    """asyncio.to_thread's futures keep its result in a cycle until the garbage collector runs (a
+    mapped save file then holds its tmpfs space); in_thread and in_pool hand it over."""
+    gc.disable()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            for call in (lambda: in_thread(Big), lambda: in_pool(pool, Big)):
+                got = await call()
+                gone = weakref.ref(got)
+                del got
+                assert gone() is None
+    finally:
+        gc.enable()
 
 
 # -- the saved slot file -------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ import numpy as np
 import redis.exceptions as rex
 
 from .redis_clients import ClientOptions
+from .threads import in_pool
 
 # Defaults, with units.
 DEFAULT_BULK_CONNECTIONS = 2  # sockets (and threads) per server: GET ran at 3.6 GB/s on 1, 5 on 2, 3.2 on 4
@@ -173,9 +174,9 @@ class BulkLane:
             raise ConnectionError("the bulk lane is closed")
         runs = [list(commands[i: i + step]) for i in range(0, len(commands), step)]
         groups = _balanced(sizes or [1] * len(runs), self.connections)
-        loop, pool = asyncio.get_running_loop(), self._pools["write" if writes else "read"]
+        pool = self._pools["write" if writes else "read"]
         parts = await asyncio.gather(*(
-            loop.run_in_executor(pool, self._run, [c for i in group for c in runs[i]]) for group in groups))
+            in_pool(pool, self._run, [c for i in group for c in runs[i]]) for group in groups))
         return [reply for part in parts for reply in part]
 
     def _run(self, commands: list[Command]) -> list[Any]:
