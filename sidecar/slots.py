@@ -28,6 +28,10 @@ from tiers.keys import common_prefix
 Asked = tuple[int, ...] | str
 # How much a follow-up may add to what its slot answered: a chat's last message, a text's end.
 FOLLOW_UP_MAX_CHARS = 512
+# A slot used this recently holds a live conversation, likely to come back: a request that would
+# overwrite more of it than it reuses takes a colder free slot instead (``_worth``). Agents'
+# steps and chat turns come back within seconds to minutes; a state colder than this is in the tiers.
+LIVE_S = 600.0
 
 
 def continues(held: Asked, asked: Asked) -> bool:
@@ -86,6 +90,18 @@ class Slot:
         return self.tokens, self.owner
 
 
+def _worth(slot: Slot, reused: int, coldest: Slot, now: float) -> int:
+    """What taking idle ``slot`` is worth to a request that reuses ``reused`` of its tokens:
+    those tokens, less the ones it would overwrite when they belong to a live conversation
+    (used within ``LIVE_S``) while a colder slot is free. So a request that shares a system
+    prompt with another conversation takes the empty or coldest slot rather than that
+    conversation's, whose next turn then finds its slot still holding it; one that
+    continues a slot (nothing overwritten) or reuses more than it overwrites takes that slot."""
+    lost = 0 if slot.unknown else int(slot.tokens.size) - reused
+    live = slot is not coldest and now - slot.last_used < LIVE_S
+    return reused - lost if live else reused
+
+
 @dataclass(frozen=True, slots=True)
 class SavedSlot:
     """What a save recorded of a slot: the tokens it read, and what the slot held before."""
@@ -123,7 +139,7 @@ class Lease:
 
 
 class SlotTable:
-    """Slot choice: the idle slot with the longest common prefix, else the least recently used one."""
+    """Slot choice: the idle slot whose reuse is worth most (``_worth``), the least recently used one among equals."""
 
     def __init__(self, n_slots: int, clock: Callable[[], float] = time.monotonic):
         if n_slots <= 0:
@@ -149,25 +165,24 @@ class SlotTable:
         return sum(1 for s in self.slots if s.busy and not s.saving)
 
     def _choose(self, tokens: np.ndarray, want: int | None, owner: str) -> Lease | int | None:
-        """The lease for the best idle slot; or the id of a slot whose save is running and which
-        holds more of ``tokens`` than any idle one (worth the few milliseconds its save still
-        takes: the next turn of a conversation keeps its own slot); None when nothing is idle."""
+        """The lease for the best idle slot (``_worth``); or the id of a slot whose save is running
+        and which holds more of ``tokens`` than any idle one (worth the few milliseconds its save
+        still takes: the next turn of a conversation keeps its own slot); None when nothing is idle."""
         idle = [s for s in self.slots if not s.busy and (want is None or s.id == want)]
-        scored = [(common_prefix(s.tokens, tokens) if s.owner == owner else 0, -s.last_used, s) for s in idle]
-        best_prefix = max((x[0] for x in scored), default=0)
-        saving = [(common_prefix(held, tokens), s.id) for s in self.slots if s.saving and (want is None or s.id == want)
-                  for held, held_owner in [s.hot()] if held_owner == owner]
+        held = {s.id: common_prefix(s.tokens, tokens) if s.owner == owner else 0 for s in idle}
+        saving = [(common_prefix(hot, tokens), s.id) for s in self.slots if s.saving and (want is None or s.id == want)
+                  for hot, hot_owner in [s.hot()] if hot_owner == owner]
         wait_for = max(saving, default=(0, -1))
-        if wait_for[0] > best_prefix:
+        if wait_for[0] > max(held.values(), default=0):
             return wait_for[1]
         if not idle:
             return None
-        best_prefix, _, best = max(scored, key=lambda x: (x[0], x[1]))
-        if best_prefix == 0:
-            best = min(idle, key=lambda s: s.last_used)
+        now = self._clock()
+        coldest = min(idle, key=lambda s: s.last_used)
+        best = max(idle, key=lambda s: (_worth(s, held[s.id], coldest, now), -s.last_used))
         best.busy = True
-        best.last_used = self._clock()
-        return Lease(self, best.id, best_prefix,
+        best.last_used = now
+        return Lease(self, best.id, held[best.id],
                      foreign=best.owner != owner and (best.tokens.size > 0 or best.unknown))
 
     async def acquire(self, tokens: np.ndarray, *, want: int | None = None, timeout: float | None = None,

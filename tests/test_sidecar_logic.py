@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from integrations.llama_server import Timings, stream_finished
+from sidecar import slots as slots_mod
 from sidecar.cli_client import summarize_metrics
 from sidecar.config import Settings, load_settings
 from sidecar.costmodel import CostModel
@@ -45,6 +46,31 @@ async def test_slot_choice_prefers_longest_prefix_then_lru() -> None:
     other = await table.acquire(arr(8, 8))
     assert other.slot == 1 or other.slot == 2
     assert other.cached_tokens == 0
+
+
+async def test_a_live_conversations_slot_is_not_taken_while_a_colder_one_is_free() -> None:
+    now = [0.0]
+    table = SlotTable(3, clock=lambda: now[0])
+
+    async def turn(tokens: np.ndarray, at: float) -> tuple[int, int]:
+        now[0] = at
+        with await table.acquire(tokens) as lease:
+            table.set_tokens(lease.slot, tokens)
+            return lease.slot, lease.cached_tokens
+
+    for slot, tokens in ((0, arr(5, 5)), (1, arr(1, 2, 9, 9, 9, 9)), (2, arr(7))):
+        now[0] = 10.0 + slot
+        with await table.acquire(tokens, want=slot):
+            table.set_tokens(slot, tokens)
+    # Slot 1's conversation is live: a prompt sharing two of its tokens (and overwriting four) takes
+    # the coldest slot, 0, instead.
+    assert await turn(arr(1, 2, 8, 8, 8, 8), 20.0) == (0, 0)
+    # A prompt that reuses more of a live slot than it overwrites takes it; one that continues it, too.
+    assert await turn(arr(1, 2, 8, 8, 8, 3), 21.0) == (0, 5)
+    assert await turn(arr(7, 7), 22.0) == (2, 1)
+    # Once no longer live, the longest prefix wins again, whatever it overwrites: slot 0 (1, 2, 8, ...)
+    # is not the coldest, slot 1 is.
+    assert await turn(arr(1, 2, 8, 4), 21.0 + slots_mod.LIVE_S + 1) == (0, 3)
 
 
 async def test_tenants_never_count_each_others_tokens() -> None:
