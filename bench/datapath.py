@@ -79,7 +79,7 @@ NEW_TOKENS = 16  # appended to a saved prompt for a restore
 OTHER_TOKENS = 512  # the prompts that overwrite a node's slots before the same-node restore
 A_ANSWER = 32  # tokens of user A's answer in the stall test (B starts at its first)
 SLOT_MARGIN = 320  # tokens per slot beyond the prompt (new tokens, answers)
-PHASES = ("fetch", "assemble", "write", "llama")
+PHASES = ("fetch", "assemble", "write", "queue", "llama")
 POLL_S = 0.02
 
 
@@ -506,7 +506,7 @@ def size_rows(res: dict[str, Any], conns: list[int]) -> list[list[Any]]:
                      pct(restore_floor, med(rs, "restore_ms")),
                      (f"TTFT {num(med(rs, 'ttft_ms'))} ms, computed {num(med(rs, 'prompt_n'))}, "
                       f"restored {num(med(rs, 'restored_tokens'))}")])
-        rows.append([n, "  fetch / assemble / write / llama-server", None, None, None,
+        rows.append([n, "  fetch / assemble / write / queue / llama-server", None, None, None,
                      " / ".join(num(med(rs, "phases_ms", p)) for p in PHASES)
                      + f" ms; all before forwarding {num(med(rs, 'overhead_ms'))} ms"])
     for key, label, src in (("stall_none", "no save", al), ("stall_llama", "llama-server save", al),

@@ -357,7 +357,7 @@ async def move_sessions(redis_url: str, sizes: Sequence[int] = (4096,), reps: in
     return results
 
 
-RESTORE_PHASES = ("fetch", "assemble", "write", "llama")
+RESTORE_PHASES = ("fetch", "assemble", "write", "queue", "llama")
 
 
 async def wait_prewarmed(s: aiohttp.ClientSession, base: str, goal: float, timeout: float = 60.0) -> None:
@@ -418,7 +418,8 @@ def summarize_move(n: int, build: Reply, runs: list[dict[str, Any]],
                           "restore_ms": summary([r["prewarmed_hop"]["restore_ms"] for r in prewarmed]),
                           "tier": prewarmed[0]["prewarmed_hop"].get("restore_tier") if prewarmed else None,
                           "phases_ms_p50": {p: percentile([r["prewarmed_hop"]["phases_ms"][p] for r in prewarmed], 50)
-                                            for p in RESTORE_PHASES}} if prewarmed else None,
+                                            for p in RESTORE_PHASES if p in prewarmed[0]["prewarmed_hop"]["phases_ms"]}}
+        if prewarmed else None,
         "floor": {"redis_get_ms": summary(col("floor", "redis_get_ms")),
                   "llama_restore_ms": summary(col("floor", "restore_ms")), "total_ms_p50": floor_p50,
                   "bytes": first.get("floor", {}).get("redis_get_bytes"),
@@ -426,7 +427,8 @@ def summarize_move(n: int, build: Reply, runs: list[dict[str, Any]],
         "api_restore_vs_floor": ratio(api["p50"], floor_p50),
         "hop_restore_vs_floor": ratio(hop_restore["p50"], floor_p50),
         "hop_speedup_vs_recompute": ratio(build.ttft_ms, hop_ttft["p50"], 1),
-        "hop_phases_ms_p50": {p: percentile([r["session_hop"]["phases_ms"][p] for r in runs], 50) for p in RESTORE_PHASES},
+        "hop_phases_ms_p50": {p: percentile([r["session_hop"]["phases_ms"][p] for r in runs], 50)
+                              for p in RESTORE_PHASES if p in first["session_hop"]["phases_ms"]},  # runs before "queue"
         "warm": {"ttft_ms": warm_ttft, "recomputed_tokens": [w["recomputed_tokens"] for w in warm]},
         "hop_added_ms_p50": round(hop_ttft["p50"] - warm_ttft["p50"], 1) if warm else None,
         "targets": {"hop_ttft_under_300ms": hop_ttft["p50"] < 300,

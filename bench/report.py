@@ -757,7 +757,7 @@ def _md_move(moves: list[dict[str, Any]], images: dict[str, str], md_dir: Path) 
         + "`kvtier_restore_phase_seconds`): *fetch* from the tiers and verify, *assemble* the file's layout (a list " \
         + "of slices of the chunks; where V is transposed, each layer's V block is built once), *write* the state " \
         + "file (one `writev`), " \
-        + "*llama* is llama-server's restore.\n\n" \
+        + "*queue* the wait in llama-server's task queue, *llama* is llama-server's restore.\n\n" \
         + md_table(["tokens", "from", *RESTORE_PHASES], phases) + "\n\n" \
         + _img(images, "ttft_vs_context", "TTFT vs context length", md_dir)
 

@@ -1,12 +1,17 @@
 """Restore or recompute: a cost model learned online from real timings.
 
 recompute_s = tokens / prefill_rate
-restore_s   = overhead + bytes / fetch_bw (per source tier) + bytes / restore_bw
+restore_s   = overhead + bytes / fetch_bw (per source tier) + bytes / restore_bw + queue_wait
 readable_s  = tokens * readable_per_token  (an answer's save, until Redis holds it)
 
 The prefill rate is also learned apart by how many other slots were computing when a prompt
 began (llama-server batches them together): on one CPU thread three 515-token prompts at once ran
-at a median 91 tokens/s against 172 alone. Forwarding compares nodes by it.
+at a median 91 tokens/s against 172 alone. Forwarding compares nodes by it. A restore is a task
+in llama-server's queue, run between decode batches: beside a slot that computes a long prompt it
+waits for the batch then running (11.6 s for a 2,048-token batch of SmolLM2 on a loaded 2-core
+host), and the request sent after it waits for the next batch too, where the same prompt
+recomputed waits once and joins that batch. A restore's wait in the queue is learned by the same
+levels and added to a restore decision at that level, whose recompute is priced at that level's rate.
 
 Rates are exponentially weighted moving averages of what this node measured, starting from
 priors. A restore is chosen only when it is predicted to be clearly faster (``margin``), so a
@@ -55,6 +60,7 @@ class CostModel:
         self.fetch_bps: dict[str, Ewma] = {}
         self.restore_bps = Ewma(restore_gbps * 1e9)
         self.readable_s_per_token = Ewma(0.0)  # no prior: unknown until this node's first save lands
+        self.queue_wait_s = [Ewma(0.0) for _ in range(self.SHARING_LEVELS)]  # a restore's wait, by level
         self._fetch_prior = restore_gbps * 1e9
         self.margin = margin
         self.min_tokens = min_tokens
@@ -72,10 +78,24 @@ class CostModel:
         """Tokens/s of a prompt begun beside ``sharing`` computing slots: as measured at that level,
         else at the nearest level below it measured, else the rate over all prompts."""
         with self._lock:
-            for level in range(min(max(sharing, 0), self.SHARING_LEVELS - 1), -1, -1):
-                if self.prefill_shared[level].samples:
-                    return self.prefill_shared[level].value
-            return self.prefill_tps.value
+            return self._by_level(self.prefill_shared, sharing, self.prefill_tps.value)
+
+    def observe_queue_wait(self, sharing: int, seconds: float) -> None:
+        """A restore waited ``seconds`` in llama-server's queue, sent beside ``sharing`` computing slots."""
+        with self._lock:  # a wait of 0 is a sample too (an Ewma takes positive ones)
+            self.queue_wait_s[min(max(sharing, 0), self.SHARING_LEVELS - 1)].update(max(seconds, 1e-6))
+
+    def queue_wait(self, sharing: int) -> float:
+        """Seconds a restore sent beside ``sharing`` computing slots is expected to wait in
+        llama-server's queue: as measured at that level, else the nearest measured below; 0 alone."""
+        with self._lock:
+            return 0.0 if sharing <= 0 else self._by_level(self.queue_wait_s, sharing, 0.0)
+
+    def _by_level(self, levels: list[Ewma], sharing: int, default: float) -> float:
+        for level in range(min(max(sharing, 0), self.SHARING_LEVELS - 1), -1, -1):
+            if levels[level].samples:
+                return levels[level].value
+        return default
 
     def observe_fetch(self, tier: str, nbytes: int, seconds: float) -> None:
         if nbytes >= 1 << 20 and seconds > 0:
@@ -114,13 +134,17 @@ class CostModel:
             restore = self.FIXED_OVERHEAD_S + nbytes / fastest + nbytes / self.restore_bps.value
             return restore < gain / self.prefill_tps.value * self.margin
 
-    def decide(self, tokens: int, bytes_by_tier: dict[str, int]) -> Decision:
-        """Should ``tokens`` be restored (reading ``bytes_by_tier``) instead of recomputed?"""
+    def decide(self, tokens: int, bytes_by_tier: dict[str, int], sharing: int | None = None) -> Decision:
+        """Should ``tokens`` be restored (reading ``bytes_by_tier``) instead of recomputed? With
+        ``sharing`` (other slots computing), the restore's queue wait and the prefill rate at that
+        level count; without it, the rates over all prompts and no wait."""
+        rate = self.prefill_tps.value if sharing is None else self.prefill_rate(sharing)
+        wait = 0.0 if sharing is None else self.queue_wait(sharing)
         with self._lock:
-            recompute = tokens / self.prefill_tps.value
+            recompute = tokens / rate
             total = sum(bytes_by_tier.values())
             fetch = sum(n / self.fetch_bps.get(t, Ewma(self._fetch_prior)).value for t, n in bytes_by_tier.items())
-            restore = self.FIXED_OVERHEAD_S + fetch + total / self.restore_bps.value
+            restore = self.FIXED_OVERHEAD_S + fetch + total / self.restore_bps.value + wait
         if tokens <= 0:
             return Decision(False, 0, restore, recompute, "nothing to restore")
         if tokens < self.min_tokens:

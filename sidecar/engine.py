@@ -187,7 +187,7 @@ class KVEngine:
             # No session, or it could not be restored: the longest prefix the tiers hold, as for any
             # request (with Redis down, the local tiers may hold it).
             found = await self.planner.plan(plan.namespace, plan.tokens, lease.cached_tokens, target, lease.slot,
-                                            early, budget)
+                                            early, budget, sharing=lease.table.computing - 1)
             if found is None:
                 return
             restored = await self.restorer.restore_prefix(lease, plan.namespace, found, plan.tokens, target,
@@ -209,7 +209,7 @@ class KVEngine:
             manifest = await self.planner.find_session(self.sessions, plan.namespace, plan.session_id, plan.tokens,
                                                        lease.cached_tokens, target, lease.slot, budget)
             if not self.planner.session_worth(manifest, plan.tokens, lease.cached_tokens, target,
-                                              self._session_tier, lease.slot):
+                                              self._session_tier, lease.slot, lease.table.computing - 1):
                 return False
             restored = await self.restorer.restore_session(lease, plan.namespace, manifest, target,
                                                            owner=plan.salt, cached=lease.cached_tokens)

@@ -105,7 +105,7 @@ class Metrics:
         self.restore_seconds = Histogram("kvtier_restore_seconds", "Fetch + assemble + restore", buckets=LATENCY_BUCKETS, registry=r)
         self.restore_phase_seconds = Histogram(
             "kvtier_restore_phase_seconds", "Restore time by phase: fetch (tiers), assemble, write (state file), "
-            "llama (llama-server's restore)", ["phase"], buckets=LATENCY_BUCKETS, registry=r)
+            "queue (waiting in llama-server's queue behind other slots' batches), llama (llama-server's restore)", ["phase"], buckets=LATENCY_BUCKETS, registry=r)
         self.save_seconds = Histogram("kvtier_save_seconds", "Slot save + split + store", buckets=LATENCY_BUCKETS, registry=r)
         self.save_readable_seconds = Histogram(
             "kvtier_save_readable_seconds", "From the end of an answer until Redis holds its new chunks and tail "

@@ -73,10 +73,12 @@ class RestorePlanner:
         self.off: set[str] = set()  # layouts restores are off for, until kvtier restarts
 
     async def plan(self, namespace: Namespace, tokens: np.ndarray, cached: int, target: Target,
-                   slot: int, early: EarlyLookup | None = None, budget: WaitBudget | None = None) -> PrefixFound | None:
+                   slot: int, early: EarlyLookup | None = None, budget: WaitBudget | None = None,
+                   sharing: int = 0) -> PrefixFound | None:
         """The prefix worth restoring into a slot that holds ``cached`` tokens of ``tokens``, or None.
         ``early``: the route check's lookup of the same tokens, planned with while it is fresh.
-        ``budget``: what the request may still wait for saves in flight (default: ``save_wait``)."""
+        ``budget``: what the request may still wait for saves in flight (default: ``save_wait``).
+        ``sharing``: other slots computing (a restore waits behind their batches; ``CostModel``)."""
         C = namespace.chunk_tokens
         if target.memory_kind in self.off:
             return None
@@ -103,7 +105,7 @@ class RestorePlanner:
         gain = found.n_tokens - cached
         if gain <= 0:
             return None
-        if not self._decide(gain, found.bytes_by_tier(C, target.bytes_per_token), slot):
+        if not self._decide(gain, found.bytes_by_tier(C, target.bytes_per_token), slot, sharing):
             return None
         return found
 
@@ -187,7 +189,7 @@ class RestorePlanner:
         return manifest
 
     def session_worth(self, manifest: Manifest, tokens: np.ndarray, cached: int, target: Target,
-                      tier: str, slot: int) -> bool:
+                      tier: str, slot: int, sharing: int = 0) -> bool:
         """Whether to restore session ``manifest`` for a prompt: it must be a prefix of ``tokens``,
         longer than what the slot holds, shorter than the prompt, and faster to restore (from
         ``tier``) than to compute."""
@@ -197,7 +199,7 @@ class RestorePlanner:
         if not (cached < m_tokens.size < tokens.size and common_prefix(m_tokens, tokens) == m_tokens.size):
             return False
         gain = int(m_tokens.size) - cached
-        return self._decide(gain, {tier: gain * target.bytes_per_token}, slot)
+        return self._decide(gain, {tier: gain * target.bytes_per_token}, slot, sharing)
 
     def learn(self, timings: Timings | None, prompt_tokens: int, expected: int, slot: int, *,
               follow_up: bool = False, restored: int = 0, layout: str = MemoryKind.KV, sharing: int = 0) -> bool:
@@ -236,8 +238,8 @@ class RestorePlanner:
                         "restored, %d recomputed): restoring is off for it until kvtier restarts",
                         n, layout, restored, timings.prompt_n)
 
-    def _decide(self, gain: int, bytes_by_tier: dict[str, int], slot: int) -> bool:
-        decision = self.cost.decide(gain, bytes_by_tier)
+    def _decide(self, gain: int, bytes_by_tier: dict[str, int], slot: int, sharing: int) -> bool:
+        decision = self.cost.decide(gain, bytes_by_tier, sharing)
         self.metrics.decisions.labels("restore" if decision.restore else "recompute").inc()
         if not decision.restore:
             log.info("slot %d: recompute %d tokens (%s: %.0f ms vs %.0f ms)", slot, gain, decision.reason,

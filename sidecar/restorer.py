@@ -63,7 +63,7 @@ class RestoreWriter:
         for tier in set(chunks.tiers):
             share = chunks.tiers.count(tier) / max(chunks.n_chunks, 1)
             self.cost.observe_fetch(tier, int(chunks.bytes_read * share), chunks.seconds * share)
-        nbytes, restore_s = await self.load(slot, got.payloads, tokens, target)
+        nbytes, restore_s = await self.load(slot, got.payloads, tokens, target, sharing=lease.table.computing - 1)
         self.cost.observe_restore(nbytes, restore_s)
         if got.tail is not None:
             self.metrics.tails.labels("restored").inc()
@@ -87,18 +87,19 @@ class RestoreWriter:
         image = await session_image(self.sessions, namespace, manifest, v_trans=target.v_trans,
                                     n_stream=target.n_stream)
         self.metrics.restore_phase_seconds.labels("fetch").observe(image.fetch_s)
-        nbytes, _ = await self._write(lease.slot, image.pieces, image.assemble_s)
+        nbytes, _ = await self._write(lease.slot, image.pieces, image.assemble_s, lease.table.computing - 1)
         done = Restored(int(manifest.tokens.size), image.tier, (time.perf_counter() - t0) * 1000)
         self._count(done, nbytes, cached)
         lease.table.set_tokens(lease.slot, manifest.tokens.copy(), owner=owner)
         return done
 
     async def load(self, slot: int, payloads: Sequence[bytes | memoryview], tokens: np.ndarray,
-                   target: Target) -> tuple[int, float]:
+                   target: Target, *, sharing: int = 0) -> tuple[int, float]:
         """Assemble ``payloads`` into a state file and have llama-server restore it into ``slot``.
 
         Returns the file's size and the seconds from payloads to restored slot (the cost model's
-        restore rate: everything but the fetch and any wait in llama-server's task queue).
+        restore rate: everything but the fetch and any wait in llama-server's task queue, which it
+        learns apart, by the ``sharing`` other slots computing beside the restore).
         """
         t0 = time.perf_counter()
         # The file as a list of slices of the payloads (and of transposed V blocks, for a server
@@ -106,18 +107,22 @@ class RestoreWriter:
         # transposition copies half the state.
         pieces = await in_thread(state_pieces, payloads, tokens, v_trans=target.v_trans,
                                  n_stream=target.n_stream)
-        return await self._write(slot, pieces, time.perf_counter() - t0)
+        return await self._write(slot, pieces, time.perf_counter() - t0, sharing)
 
-    async def _write(self, slot: int, pieces: list[memoryview], assemble_s: float) -> tuple[int, float]:
-        """Write the restore file ``pieces`` (laid out in ``assemble_s``) and restore it into ``slot``."""
+    async def _write(self, slot: int, pieces: list[memoryview], assemble_s: float,
+                     sharing: int) -> tuple[int, float]:
+        """Write the restore file ``pieces`` (laid out in ``assemble_s``) and restore it into
+        ``slot``, beside ``sharing`` other computing slots."""
         io = await self.files.restore(slot, pieces)
         phases = self.metrics.restore_phase_seconds
         phases.labels("assemble").observe(assemble_s)
         phases.labels("write").observe(io.write_s)
-        phases.labels("llama").observe(io.waited_s)
-        # The cost model learns the restore's own time: llama-server's restore_ms, not the wait in
-        # its queue behind other slots' work (seconds under load, which would teach it that
-        # restoring is slow and make it stop restoring).
+        phases.labels("queue").observe(io.waited_s - io.llama_s)
+        phases.labels("llama").observe(io.llama_s)
+        # The restore's own time (llama-server's restore_ms) and the wait in its queue behind other
+        # slots' batches are learned apart: the wait depends on how many slots compute (seconds
+        # under load), the restore on its size.
+        self.cost.observe_queue_wait(sharing, io.waited_s - io.llama_s)
         return io.nbytes, assemble_s + io.write_s + io.llama_s
 
     def _count(self, done: Restored, nbytes: int, cached: int) -> None:

@@ -84,10 +84,10 @@ def fixed_report() -> dict[str, Any]:
     move_runs = [{"save_ms": 50.0, "save_wall_ms": 60.0, "session_tokens": 4097, "session_bytes": 94_000_000,
                   "api_restore": {"ms": 200.0 + i, "wall_ms": 210.0, "tier": "redis", "tokens": 4097},
                   "session_hop": _reply(260.0 + i, 4105, 8, 4097).row(
-                      restore_ms=200.0, phases_ms={"fetch": 110.0, "assemble": 2.0, "write": 50.0, "llama": 30.0}),
+                      restore_ms=200.0, phases_ms={"fetch": 110.0, "assemble": 2.0, "write": 50.0, "queue": 7.0, "llama": 30.0}),
                   "automatic_hop": _reply(900.0, 4105, 9, 4096).row(restore_ms=190.0),
                   "prewarmed_hop": _reply(240.0 + i, 4105, 8, 4097).row(
-                      restore_ms=80.0, phases_ms={"fetch": 5.0, "assemble": 2.0, "write": 45.0, "llama": 28.0}),
+                      restore_ms=80.0, phases_ms={"fetch": 5.0, "assemble": 2.0, "write": 45.0, "queue": 1.0, "llama": 28.0}),
                   "floor": {"redis_get_ms": 70.0, "restore_ms": 100.0, "redis_get_bytes": 94_000_000,
                             "file_bytes": 94_000_100, "n_tokens": 4097}} for i in range(3)]
     memory = {"kv": "f16", "sessions": 10, "system_tokens": 2000, "own_tokens": 500, "session_tokens": 25010,
@@ -150,8 +150,8 @@ def test_render_markdown_from_a_fixed_report(tmp_path: Path) -> None:
     assert "| 4,096 | 94.0 MB | 23,000 |" in md  # the move table, from the summarised runs
     assert "restore within 1.3x of the floor **met**" in md  # 201 ms vs a 170 ms floor: 1.18
     assert "| 900 | 150 | 111 | 88.1x |" in md  # automatic, warm TTFT, hop - warm (261 - 150), speedup
-    assert "| 4,096 | Redis | 110 | 2 | 50.0 | 30.0 |" in md  # restore phases
-    assert "| 4,096 | prewarmed RAM | 5 | 2 | 45.0 | 28.0 |" in md
+    assert "| 4,096 | Redis | 110 | 2 | 50.0 | 7 | 30.0 |" in md  # restore phases
+    assert "| 4,096 | prewarmed RAM | 5 | 2 | 45.0 | 1 | 28.0 |" in md
     assert "| 4,096 | 241 / 242 | 80.0 |" in md  # prewarmed hop TTFT p50 / p90, restore
     assert "(prewarmed: **met**)" in md
     # The -fa off run beside the default one: recompute, warm, hop TTFTs, and the default's.

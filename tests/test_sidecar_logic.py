@@ -73,6 +73,26 @@ async def test_a_live_conversations_slot_is_not_taken_while_a_colder_one_is_free
     assert await turn(arr(1, 2, 8, 4), 21.0 + slots_mod.LIVE_S + 1) == (0, 3)
 
 
+def test_a_restore_decision_prices_the_queue_wait_and_prefill_rate_of_its_level() -> None:
+    cost = CostModel(prefill_tps=1000.0, restore_gbps=1.0)
+    cost.observe_prefill(1000, 1000.0, sharing=0)  # 1,000 tokens/s alone
+    cost.observe_prefill(1000, 10000.0, sharing=2)  # 100 beside two others
+    nbytes = {"ram": 100 << 20}
+    assert cost.decide(1000, nbytes, 0).restore and cost.queue_wait(0) == 0.0
+    # Nothing learned beside computing slots yet: no wait, the nearest measured rate below.
+    assert cost.decide(1000, nbytes, 1).predicted_recompute_s == pytest.approx(1.0)
+    cost.observe_queue_wait(1, 5.0)  # a restore sent beside one computing slot waited 5 s
+    busy = cost.decide(1000, nbytes, 1)
+    assert not busy.restore and busy.predicted_restore_s > 5.0, busy
+    # Beside two: the wait of the nearest level below measured, and that level's prefill, so
+    # slow that waiting 5 s to restore beats it.
+    two = cost.decide(1000, nbytes, 2)
+    assert two.predicted_recompute_s == pytest.approx(10.0) and cost.queue_wait(2) == 5.0
+    assert two.restore, two
+    # Unknown level (forwarding, waits for saves): the rate over all prompts, no wait.
+    assert cost.decide(1000, nbytes).predicted_restore_s < 1.0
+
+
 async def test_tenants_never_count_each_others_tokens() -> None:
     table = SlotTable(1)
     table.set_tokens(0, arr(1, 2, 3), owner="a")
