@@ -13,7 +13,9 @@ llama-server alone (same flags, its host-memory prompt cache ``--cache-ram`` at 
   two sub-agent windows of their own, then a short finalize on the main thread, with at most four
   requests in flight. Finalize TTFT over the main thread's last step, and tokens computed.
 
-Each mode runs on fresh nodes (``-np 4``, one llama-server per node; kvtier with an embedded Valkey).
+Modes: ``alone`` (llama-server), ``kvtier`` (the same flags), ``kvtier-cache-ram-0`` (llama-server's
+prompt cache off, as where tenants share a server). Each mode runs on fresh nodes (``-np 4``, one
+llama-server per node; kvtier with an embedded Valkey).
 With a load, one process spins on a core beside the nodes for the whole mode. Writes
 ``bench/results/neverworse.json``.
 """
@@ -48,12 +50,16 @@ from .common import (
 )
 
 SCENARIOS = ("repeat_at_once", "abort_reprompt", "agent_subagents")
-MODES = ("alone", "kvtier")
+# llama-server alone and kvtier on identical flags (llama-server's prompt cache at its default); and
+# kvtier with that cache off (the README's flags where tenants share a server).
+MODES = ("alone", "kvtier", "kvtier-cache-ram-0")
 
 
-def llama_args(ctx: int, threads: int, slots: int) -> list[str]:
-    """The issue's flags: ``-np 4``, and llama-server's own prompt cache at its default size."""
-    return ["-c", str(ctx), "-np", str(slots), "-t", str(threads)]
+def llama_args(ctx: int, threads: int, slots: int, mode: str = "alone") -> list[str]:
+    """The issue's flags: ``-np 4``, and llama-server's own prompt cache at its default size (off
+    in mode ``kvtier-cache-ram-0``)."""
+    return ["-c", str(ctx), "-np", str(slots), "-t", str(threads),
+            *(["--cache-ram", "0"] if mode.endswith("cache-ram-0") else [])]
 
 
 def _spin() -> None:
@@ -154,7 +160,7 @@ async def run_mode(a: argparse.Namespace, mode: str, redis_url: str) -> dict[str
     sidecar = mode != "alone"
     await redis_flush(redis_url)
     out: dict[str, Any] = {}
-    with cluster(2, llama_args(a.ctx, a.threads, a.slots), sidecar=sidecar,
+    with cluster(2, llama_args(a.ctx, a.threads, a.slots, mode), sidecar=sidecar,
                  redis_url=redis_url if sidecar else None) as cl:
         async with client_session() as s:
             urls = [cl.url(0), cl.url(1)]
@@ -190,9 +196,26 @@ def summarize(results: dict[str, dict[str, Any]]) -> list[list[Any]]:
     return rows
 
 
+def md_neverworse(data: dict[str, Any], md_table: Any) -> str:
+    """The section of docs/benchmarks.md for a result file of this benchmark."""
+    st = data["settings"]
+    head = (f"\n### `python -m bench neverworse`\n\nllama-server `-np {st['slots']} -c {st['ctx']} -t {st['threads']}` "
+            f"(its `--cache-ram` at the default, 8 GiB, but in mode *kvtier-cache-ram-0*), 2 nodes, kvtier on an "
+            f"embedded Valkey; {st['reps']} reps; *loaded*: one process spinning on a core beside the nodes. "
+            f"`repeat_at_once`: a chat of ~{st['prefix']} tokens sent again the moment its answer ends; "
+            f"`abort_reprompt`: a stream left after {st['abort_after']} tokens, then the same prefix with a new "
+            f"question, on the same node and on the other; `agent_subagents`: three agents, each a "
+            f"~{st['main_tokens']}-token main thread in four steps, two ~{st['sub_tokens']}-token sub-agent windows, "
+            f"then a short finalize on the main thread, at most four requests at once. Medians; "
+            f"{data.get('minutes', '?')} minutes.\n\n")
+    rows = [[r["load"], r["scenario"], r["mode"], r["figure"], r["value"], r["computed"]] for r in data["table"]]
+    return head + md_table(["load", "scenario", "mode", "figure", "value", "tokens computed (p50)"], rows) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench neverworse", description=__doc__.splitlines()[0])
     p.add_argument("--scenarios", default=",".join(SCENARIOS))
+    p.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--slots", type=int, default=4)
     p.add_argument("--ctx", type=int, default=16384, help="llama-server -c (shared by its slots)")
@@ -206,13 +229,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", default=str(RESULTS_DIR / "neverworse.json"))
     a = p.parse_args(argv)
     a.scenarios = [x for x in a.scenarios.split(",") if x]
-    if bad := [x for x in a.scenarios if x not in SCENARIOS]:
-        p.error(f"unknown scenarios {bad}")
+    a.modes = [x for x in a.modes.split(",") if x]
+    if bad := [x for x in a.scenarios if x not in SCENARIOS] + [x for x in a.modes if x not in MODES]:
+        p.error(f"unknown scenarios or modes {bad}")
     results: dict[str, dict[str, Any]] = {}
     started = time.time()
     with redis_or_given(a.redis_url) as redis_url:
         for load in ("quiet",) if a.no_load else ("quiet", "loaded"):
-            for mode in MODES:
+            for mode in a.modes:
                 console.print(f"neverworse: {load}, {mode}")
                 with cpu_load(load == "loaded"):
                     results[f"{load}/{mode}"] = asyncio.run(run_mode(a, mode, redis_url))

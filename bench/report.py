@@ -55,7 +55,7 @@ from typing import Any
 
 from rich.progress import Progress
 
-from . import agents, hop, memtypes, routing
+from . import agents, hop, memtypes, neverworse, routing
 from .common import (
     RESULTS_DIR,
     Timer,
@@ -370,7 +370,7 @@ def _pct(new: float, old: float) -> str:
 def others(results_dir: Path) -> dict[str, Any]:
     """Result files of the other benchmarks (``--json bench/results/<name>.json``), when present."""
     found: dict[str, Any] = {}
-    for name in ("hop", "overhead", "tiers", "state", "llama-cpp-python", "llama_cpp_python"):
+    for name in ("hop", "overhead", "tiers", "state", "llama-cpp-python", "llama_cpp_python", "neverworse"):
         path = results_dir / f"{name}.json"
         if path.exists():
             try:
@@ -887,6 +887,8 @@ def _md_others(other: dict[str, Any]) -> str:
         out.append(md_table(HEADERS, ov_rows(ov)) + "\n")
     else:
         out.append("- `python -m bench overhead --json bench/results/overhead.json`: not run for this page.\n")
+    out.append(neverworse.md_neverworse(other["neverworse"], md_table) if other.get("neverworse") else
+               "- `python -m bench neverworse`: not run for this page.\n")
     st = other.get("state")
     if st and st.get("real"):
         out.append("\n### `python -m bench state` (real llama-server part)\n\n")

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from bench import hop, report
+from bench import hop, neverworse, report
 from bench.__main__ import BENCHMARKS
 from bench.__main__ import main as bench_main
 from bench.common import Reply, parse_metrics, percentile, summary
@@ -184,3 +184,20 @@ def test_python_m_bench_from_the_checkout() -> None:
     state = subprocess.run([sys.executable, "-m", "bench", "state", "--help"], cwd=ROOT, capture_output=True,
                            text=True, timeout=60, check=False)
     assert state.returncode == 0 and state.stdout.startswith("usage: python -m bench state"), state.stderr
+
+
+def test_neverworse_rows_and_their_section() -> None:
+    runs = {"repeat_at_once": [{"repeat_ttft_ms": 40.0, "repeat_computed": 1}, {"repeat_ttft_ms": 60.0,
+                                                                              "repeat_computed": 3}],
+            "abort_reprompt": [{"where": w, "reused_share": 0.99, "prefix_tokens": 1500, "reused_tokens": 1490}
+                               for w in ("same node", "other node")],
+            "agent_subagents": [{"finalize_ratio": 0.1, "finalize_computed": 20}]}
+    rows = neverworse.summarize({"quiet/alone": runs, "loaded/kvtier-cache-ram-0": runs})
+    assert ["quiet", "repeat_at_once", "alone", "repeat TTFT ms (p50)", 50.0, 2.0] in rows
+    assert ["loaded", "abort_reprompt (other node)", "kvtier-cache-ram-0", "prefix reused (p50)", 0.99, 10] in rows
+    settings = {"slots": 4, "ctx": 16384, "threads": 2, "reps": 2, "prefix": 1500, "abort_after": 64,
+                "main_tokens": 2000, "sub_tokens": 1500}
+    table = [dict(zip(["load", "scenario", "mode", "figure", "value", "computed"], r, strict=True)) for r in rows]
+    md = neverworse.md_neverworse({"settings": settings, "table": table, "minutes": 3.0}, report.md_table)
+    assert "| quiet | agent_subagents | alone | finalize / last main step TTFT (p50) | 0.1 | 20.0 |" in md
+    assert "`-np 4 -c 16384 -t 2`" in md
