@@ -448,6 +448,7 @@ def test_llama_server_args_come_from_values() -> None:
                 "cacheTypeV": "q4_0",
                 "threads": 12,
                 "gpuLayers": 20,
+                "cacheRamMiB": 2048,
                 "extraArgs": ["--jinja"],
             },
             "model": {"file": "qwen3-8b.gguf", "mountPath": "/mnt/models/"},
@@ -457,9 +458,12 @@ def test_llama_server_args_come_from_values() -> None:
     assert (flag(llama, "-c"), flag(llama, "-np"), flag(llama, "-fa")) == ("32768", "8", "on")
     assert (flag(llama, "-ctk"), flag(llama, "-ctv")) == ("q8_0", "q4_0")
     assert (flag(llama, "-t"), flag(llama, "-ngl")) == ("12", "20")
+    assert flag(llama, "--cache-ram") == "2048"
     assert args_of(llama)[-1] == "--jinja"
     assert all(isinstance(a, str) for a in llama["args"]), "every arg must render as a string"
     defaults = render().container("llama-server")
+    assert flag(defaults, "--cache-ram") == "0"  # llama-server's own prompt cache off (README)
+    assert "--cache-ram" not in args_of(render({"llama": {"cacheRamMiB": None}}).container("llama-server"))
     assert (
         "-ngl" not in args_of(defaults)
         and "-t" not in args_of(defaults)

@@ -48,6 +48,10 @@ writes slot states there (--slot-save-path) and kvtier reads, splits and assembl
 - -ngl
 - "999"
 {{- end }}
+{{- if not (kindIs "invalid" $l.cacheRamMiB) }}
+- --cache-ram
+- {{ int $l.cacheRamMiB | quote }}
+{{- end }}
 {{- if $l.metrics }}
 - --metrics
 {{- end }}
