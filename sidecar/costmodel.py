@@ -21,6 +21,8 @@ short prefix or a fast GPU prefill is recomputed.
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -52,15 +54,21 @@ class CostModel:
 
     FIXED_OVERHEAD_S = 0.010  # file write + HTTP round trip of a restore, measured ~5-10 ms here
     SHARING_LEVELS = 4  # prefill rates learned apart beside 0, 1, 2, and 3 or more computing slots
+    # A learned queue wait halves every this many seconds without a new sample: a wait priced in
+    # stops restores at its level, and so its own samples, and a long one (a batch of a long prompt)
+    # must not stop them for good; the next restore at that level measures it again.
+    QUEUE_WAIT_HALF_LIFE_S = 120.0
 
     def __init__(self, prefill_tps: float = 300.0, restore_gbps: float = 0.5, margin: float = 0.8,
-                 min_tokens: int = 0):
+                 min_tokens: int = 0, clock: Callable[[], float] = time.monotonic):
         self.prefill_tps = Ewma(prefill_tps)
         self.prefill_shared = [Ewma(0.0) for _ in range(self.SHARING_LEVELS)]  # no prior: measured only
         self.fetch_bps: dict[str, Ewma] = {}
         self.restore_bps = Ewma(restore_gbps * 1e9)
         self.readable_s_per_token = Ewma(0.0)  # no prior: unknown until this node's first save lands
         self.queue_wait_s = [Ewma(0.0) for _ in range(self.SHARING_LEVELS)]  # a restore's wait, by level
+        self._queue_wait_at = [0.0] * self.SHARING_LEVELS  # when each level's wait was last measured
+        self._clock = clock
         self._fetch_prior = restore_gbps * 1e9
         self.margin = margin
         self.min_tokens = min_tokens
@@ -78,24 +86,37 @@ class CostModel:
         """Tokens/s of a prompt begun beside ``sharing`` computing slots: as measured at that level,
         else at the nearest level below it measured, else the rate over all prompts."""
         with self._lock:
-            return self._by_level(self.prefill_shared, sharing, self.prefill_tps.value)
+            level = self._level(self.prefill_shared, sharing)
+            return self.prefill_tps.value if level is None else self.prefill_shared[level].value
 
     def observe_queue_wait(self, sharing: int, seconds: float) -> None:
         """A restore waited ``seconds`` in llama-server's queue, sent beside ``sharing`` computing slots."""
+        level = min(max(sharing, 0), self.SHARING_LEVELS - 1)
         with self._lock:  # a wait of 0 is a sample too (an Ewma takes positive ones)
-            self.queue_wait_s[min(max(sharing, 0), self.SHARING_LEVELS - 1)].update(max(seconds, 1e-6))
+            self.queue_wait_s[level].value = self._queue_wait_now(level)
+            self.queue_wait_s[level].update(max(seconds, 1e-6))
+            self._queue_wait_at[level] = self._clock()
 
     def queue_wait(self, sharing: int) -> float:
         """Seconds a restore sent beside ``sharing`` computing slots is expected to wait in
-        llama-server's queue: as measured at that level, else the nearest measured below; 0 alone."""
+        llama-server's queue: as measured at that level, else the nearest measured below, fading
+        with time (``QUEUE_WAIT_HALF_LIFE_S``); 0 alone."""
+        if sharing <= 0:
+            return 0.0
         with self._lock:
-            return 0.0 if sharing <= 0 else self._by_level(self.queue_wait_s, sharing, 0.0)
+            level = self._level(self.queue_wait_s, sharing)
+            return 0.0 if level is None else self._queue_wait_now(level)
 
-    def _by_level(self, levels: list[Ewma], sharing: int, default: float) -> float:
+    def _queue_wait_now(self, level: int) -> float:
+        age = max(0.0, self._clock() - self._queue_wait_at[level])
+        return float(self.queue_wait_s[level].value * 0.5 ** (age / self.QUEUE_WAIT_HALF_LIFE_S))
+
+    def _level(self, levels: list[Ewma], sharing: int) -> int | None:
+        """``sharing``'s level when measured, else the nearest measured below; None: none."""
         for level in range(min(max(sharing, 0), self.SHARING_LEVELS - 1), -1, -1):
             if levels[level].samples:
-                return levels[level].value
-        return default
+                return level
+        return None
 
     def observe_fetch(self, tier: str, nbytes: int, seconds: float) -> None:
         if nbytes >= 1 << 20 and seconds > 0:

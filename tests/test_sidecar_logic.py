@@ -74,7 +74,8 @@ async def test_a_live_conversations_slot_is_not_taken_while_a_colder_one_is_free
 
 
 def test_a_restore_decision_prices_the_queue_wait_and_prefill_rate_of_its_level() -> None:
-    cost = CostModel(prefill_tps=1000.0, restore_gbps=1.0)
+    now = [100.0]
+    cost = CostModel(prefill_tps=1000.0, restore_gbps=1.0, clock=lambda: now[0])
     cost.observe_prefill(1000, 1000.0, sharing=0)  # 1,000 tokens/s alone
     cost.observe_prefill(1000, 10000.0, sharing=2)  # 100 beside two others
     nbytes = {"ram": 100 << 20}
@@ -91,6 +92,13 @@ def test_a_restore_decision_prices_the_queue_wait_and_prefill_rate_of_its_level(
     assert two.restore, two
     # Unknown level (forwarding, waits for saves): the rate over all prompts, no wait.
     assert cost.decide(1000, nbytes).predicted_restore_s < 1.0
+    # The wait fades while no restore measures it again (none is tried while it is priced in).
+    now[0] += CostModel.QUEUE_WAIT_HALF_LIFE_S
+    assert cost.queue_wait(1) == pytest.approx(2.5)
+    now[0] += 4 * CostModel.QUEUE_WAIT_HALF_LIFE_S
+    assert cost.decide(1000, nbytes, 1).restore
+    cost.observe_queue_wait(1, 0.0)  # a new sample blends with the faded value
+    assert cost.queue_wait(1) == pytest.approx(0.7 * 5.0 / 32, rel=0.01)
 
 
 async def test_tenants_never_count_each_others_tokens() -> None:
