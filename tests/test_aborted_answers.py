@@ -36,8 +36,9 @@ def chat(question: str, max_tokens: int) -> dict[str, Any]:
 
 
 @contextlib.asynccontextmanager
-async def node(tmp: Path, redis_url: str, name: str) -> AsyncIterator[tuple[LlamaServer, Sidecar]]:
-    with llama_server(tmp / name, "-np", "2") as llama:
+async def node(tmp: Path, redis_url: str, name: str,
+               llama_args: tuple[str, ...] = ("-np", "2")) -> AsyncIterator[tuple[LlamaServer, Sidecar]]:
+    with llama_server(tmp / name, *llama_args) as llama:
         settings = Settings(llama_url=llama.url, slot_dir=str(llama.slot_dir), redis_url=redis_url, node_id=name,
                             chunk_tokens=64, cache_size=256 << 20, prefill_tps_prior=100.0)
         async with run_sidecar(settings) as sc:

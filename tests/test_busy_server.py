@@ -9,16 +9,14 @@ Real llama-servers (SmolLM2, two slots each, 2,048-token batches), a real Valkey
 from __future__ import annotations
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
-from sidecar.config import Settings
-from tests.servers import RedisProc, llama_server
-from tests.sidecars import Sidecar, post, run_sidecar
-from tests.test_aborted_answers import SYSTEM
+from tests.servers import RedisProc
+from tests.sidecars import post
+from tests.test_aborted_answers import SYSTEM, node
+from tests.test_hardening_storage import completion as text
 
 pytestmark = pytest.mark.llama
 
@@ -27,21 +25,8 @@ ARGS = ("-np", "2", "-c", "8192", "-b", "2048", "-ub", "512")
 LONG = " ".join(f"Line {i}: the kite over field {i} flies {i * 5} metres up." for i in range(140))
 
 
-@contextlib.asynccontextmanager
-async def node(tmp: Path, redis_url: str, name: str) -> AsyncIterator[Sidecar]:
-    with llama_server(tmp / name, *ARGS) as llama:
-        settings = Settings(llama_url=llama.url, slot_dir=str(llama.slot_dir), redis_url=redis_url, node_id=name,
-                            chunk_tokens=64, cache_size=256 << 20, prefill_tps_prior=100.0)
-        async with run_sidecar(settings) as sc:
-            yield sc
-
-
-def text(prompt: str, n: int) -> dict[str, object]:
-    return {"prompt": prompt, "n_predict": n, "temperature": 0}
-
-
 async def test_a_restore_beside_a_computing_slot_teaches_its_queue_wait(redis_srv: RedisProc, tmp_path: Path) -> None:
-    async with node(tmp_path, redis_srv.url, "a") as a, node(tmp_path, redis_srv.url, "b") as b:
+    async with node(tmp_path, redis_srv.url, "a", ARGS) as (_, a), node(tmp_path, redis_srv.url, "b", ARGS) as (_, b):
         stored = await post(a.url + "/completion", text(SYSTEM + "\nQuestion: shelf 7?\nAnswer:", 2))
         assert stored.status == 200
         await a.engine.drain(30)
