@@ -111,8 +111,11 @@ class Aftercare:
     def _learn(self, plan: RequestPlan, answer: bytes) -> None:
         """Learn from the answer's timings; doubt the server when it reused less than planned."""
         target = self.watcher.target
+        timings = Timings.from_answer(answer)
+        if not plan.restored_tokens and plan.llama_reused > plan.lease.cached_tokens:  # left to llama-server's cache
+            self.watcher.llama_cache.answered(plan.llama_reused, timings, int(plan.tokens.size))
         if not self.planner.learn(
-                Timings.from_answer(answer), int(plan.tokens.size), max(plan.restored_tokens, plan.lease.cached_tokens),
+                timings, int(plan.tokens.size), max(plan.restored_tokens, plan.lease.cached_tokens),
                 plan.lease.slot, follow_up=plan.follow_up, restored=plan.restored_tokens,
                 layout=target.memory_kind if target is not None else MemoryKind.KV, sharing=plan.sharing):
             self.watcher.doubt()  # a restart it has not noticed yet? Check before the next request

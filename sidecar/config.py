@@ -153,6 +153,11 @@ class Settings:
     save_wait: float = _option(2.0, "longest a request waits for another node's save in flight that holds more of "
                                      "its prompt than the tiers do; the cost model may wait less (0: never wait)",
                                _float)
+    llama_cache_ram: int | None = _option(None, "llama-server's own --cache-ram (MiB; -1 no limit, 0 off): kvtier "
+                                                "leaves to llama-server's prompt cache what it would serve by itself "
+                                                "(unset: kvtier tests once per llama-server process, with three "
+                                                "one-token completions in an idle slot, and assumes the default "
+                                                "8 GiB when there is one)", _int)
     save_prompt_end: bool = _option(False, "sliding-window, hybrid and recurrent models: before answering, compute "
                                            "the prompt but its last token and save that state too, for templates "
                                            "that drop earlier reasoning from the history (thinking models): their "
@@ -342,6 +347,8 @@ def validate(s: Settings) -> None:
         raise ConfigError("queue_limit must be positive")
     if not 0 <= s.save_wait <= 60:
         raise ConfigError("save_wait must be between 0 and 60 seconds")
+    if s.llama_cache_ram is not None and s.llama_cache_ram < -1:
+        raise ConfigError(f"llama_cache_ram must be -1 (no limit), 0 (off) or a size in MiB, got {s.llama_cache_ram}")
     if s.restore_min_tokens < 0:
         raise ConfigError("restore_min_tokens must not be negative")
     if s.prefill_tps_prior <= 0 or s.restore_gbps_prior <= 0:

@@ -119,6 +119,7 @@ class KVEngine:
             return None
         plan = RequestPlan(NO_TOKENS, lease, target.namespace_for(salt), salt, asked=asked, follow_up=True,
                            generation=self.watcher.generation, sharing=table.computing - 1)
+        self.watcher.llama_cache.launched(table, lease.slot, None)
         plan.overhead_ms = (time.perf_counter() - since) * 1000 if since is not None else 0.0
         self.metrics.overhead_seconds.observe(plan.overhead_ms / 1000)
         self.metrics.follow_ups.inc()
@@ -160,6 +161,7 @@ class KVEngine:
                 self.session_slots[session_id] = lease.slot
             t1 = time.perf_counter()
             await self._restore(plan, target, early)
+            self.watcher.llama_cache.launched(table, lease.slot, tokens)
             if prompt_end and target.memory_kind.has_rest and tokens.size - max(plan.restored_tokens, lease.cached_tokens) > 1:
                 await self.saver.save_prompt_end(table, lease.slot, plan.namespace, tokens, owner=salt)
         except BaseException:
@@ -180,15 +182,20 @@ class KVEngine:
                 # and the faster answer would tell this tenant what the other one asked.
                 await self.client.erase_slot(lease.slot)
                 lease.table.set_tokens(lease.slot, NO_TOKENS, owner=plan.salt)
+            # What llama-server would reuse by itself: the slot's common prefix, or an entry of its
+            # own prompt cache it loads in the same task (a kvtier restore waits in its queue).
+            plan.llama_reused = self.watcher.llama_cache.reused(lease.table.tokens(lease.slot), plan.tokens, plan.salt)
             # One request waits at most --save-wait for saves in flight, its session's and its prefix's together.
             budget = WaitBudget(self.settings.save_wait)
             if plan.session_id is not None and await self._restore_session_prefix(plan, target, budget):
                 return
             # No session, or it could not be restored: the longest prefix the tiers hold, as for any
             # request (with Redis down, the local tiers may hold it).
-            found = await self.planner.plan(plan.namespace, plan.tokens, lease.cached_tokens, target, lease.slot,
+            found = await self.planner.plan(plan.namespace, plan.tokens, plan.llama_reused, target, lease.slot,
                                             early, budget, sharing=lease.table.computing - 1)
             if found is None:
+                if plan.llama_reused > lease.cached_tokens:
+                    self.metrics.decisions.labels("llama_cache").inc()
                 return
             restored = await self.restorer.restore_prefix(lease, plan.namespace, found, plan.tokens, target,
                                                           owner=plan.salt)
@@ -208,7 +215,7 @@ class KVEngine:
         try:
             manifest = await self.planner.find_session(self.sessions, plan.namespace, plan.session_id, plan.tokens,
                                                        lease.cached_tokens, target, lease.slot, budget)
-            if not self.planner.session_worth(manifest, plan.tokens, lease.cached_tokens, target,
+            if not self.planner.session_worth(manifest, plan.tokens, plan.llama_reused, target,
                                               self._session_tier, lease.slot, lease.table.computing - 1):
                 return False
             restored = await self.restorer.restore_session(lease, plan.namespace, manifest, target,

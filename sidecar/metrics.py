@@ -93,8 +93,9 @@ class Metrics:
         self.saves_skipped = Counter("kvtier_saves_skipped", "Saves after an answer not made: the conversation's "
                                      "next request already waited for the slot (its own save stores it all)",
                                      registry=r)
-        self.decisions = Counter("kvtier_cost_decisions", "Cost-model decisions: restore, recompute, or spared (no "
-                                 "lookup: no prefix the tiers could hold would be restored)", ["decision"], registry=r)
+        self.decisions = Counter("kvtier_cost_decisions", "Cost-model decisions: restore, recompute, spared (no "
+                                 "lookup: no prefix the tiers could hold would be restored), or llama_cache (left "
+                                 "to llama-server's own prompt cache, which loads it without queueing)", ["decision"], registry=r)
         self.prompt_end_saves = Counter("kvtier_prompt_end_saves", "States saved at a prompt's end, before its "
                                         "answer (--save-prompt-end): stored, or failed (the request goes on)",
                                         ["outcome"], registry=r)

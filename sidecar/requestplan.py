@@ -42,6 +42,8 @@ class RequestPlan:
     # another process answers there is not stored.
     generation: int = 0
     sharing: int = 0  # other slots computing when it got its slot (the prefill rate is learned by it)
+    # Tokens llama-server would reuse without a restore: the slot's, or its own prompt cache's (``llamacache``).
+    llama_reused: int = 0
 
     def took(self, restored: Restored) -> None:
         self.restored_tokens, self.restore_tier, self.restore_ms = restored.n_tokens, restored.tier, restored.ms

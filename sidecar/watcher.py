@@ -42,6 +42,7 @@ from tiers.errors import KVTierError
 from tiers.keys import Namespace
 
 from .config import Settings
+from .llamacache import DEFAULT_MIB, LlamaPromptCache, detect
 from .prompts import PromptTokens
 from .slotfiles import SlotFiles
 from .slots import SlotTable
@@ -104,6 +105,8 @@ class ServerWatcher:
         self.prompts = prompts
         self.target: Target | None = None
         self.slots: SlotTable | None = None
+        # llama-server's own prompt cache, as far as kvtier sees it (one per llama-server process)
+        self.llama_cache = LlamaPromptCache(0, 1)
         self.last_error = ""
         # The identity kvtier plans for: bumped when a process is learned or found gone, never by
         # a check that finds the same one. A request's save is stored only within its generation.
@@ -213,15 +216,37 @@ class ServerWatcher:
         ns = Namespace(layout_fingerprint(identity, layout), chunk_tokens=self.settings.chunk_tokens)
         n_ctx = int(props.get("default_generation_settings", {}).get("n_ctx") or 0)
         await self.prompts.setup(props, self.settings.model or model_path)
+        llama_cache = await self._llama_cache(table, idle, memory, bytes_per_token)
         # No await from here on: a request that finds the target set must find the new slot table.
         self.target = Target(n_slots, n_stream or 1, v_trans, model_id, ns, bytes_per_token, n_ctx, memory)
         self._signature = _signature(props)
         self.slots = table
+        self.llama_cache = llama_cache
         self.generation += 1
         self._confirm()
         log.info("llama-server: %d slots, n_stream %d, v_trans %s, %d bytes/token, memory %s, namespace %s",
                  n_slots, self.target.n_stream, self.target.v_trans, bytes_per_token,
                  memory.label, ns.id)
+
+    async def _llama_cache(self, table: SlotTable, idle: list[int], memory: MemoryKind,
+                           bytes_per_token: int) -> LlamaPromptCache:
+        """A mirror of llama-server's own prompt cache, its size as configured (``--llama-cache-ram``)
+        or tested in the idle slot holding least (``llamacache.detect``: its content is given up).
+        Mirrored for a plain KV cache only: a state with a rest is reused whole or not at all."""
+        mib = self.settings.llama_cache_ram
+        if memory.has_rest:
+            mib = 0
+        elif mib is None:
+            mib = 0
+            if idle:
+                slot = min(idle, key=lambda s: table.slots[s].tokens.size)
+                try:
+                    mib = DEFAULT_MIB if await detect(self.client, slot) else 0
+                except LlamaServerError as exc:
+                    log.warning("could not tell whether llama-server keeps a prompt cache (%s): taken as none", exc)
+                table.set_tokens(slot, np.zeros(0, np.int32))
+            log.info("llama-server's own prompt cache: %s", f"on, taken as {mib} MiB" if mib else "off")
+        return LlamaPromptCache(mib, bytes_per_token)
 
     def _model_id(self, model_path: str, props: Mapping[str, Any]) -> str:
         if self.settings.model_id:

@@ -54,6 +54,7 @@ SAMPLES: dict[str, tuple[Any, Any]] = {
     "allow_slot_actions": (True, True),
     "queue_limit": ("8", 8),
     "save_wait": ("0.5", 0.5),
+    "llama_cache_ram": ("2048", 2048),
     "save_prompt_end": (True, True),
     "restore_min_tokens": ("100", 100),
     "prefill_tps_prior": ("123.5", 123.5),

@@ -459,6 +459,10 @@ def test_llama_server_args_come_from_values() -> None:
     assert (flag(llama, "-ctk"), flag(llama, "-ctv")) == ("q8_0", "q4_0")
     assert (flag(llama, "-t"), flag(llama, "-ngl")) == ("12", "20")
     assert flag(llama, "--cache-ram") == "2048"
+    # kvtier is told what llama-server's own prompt cache is (it leaves to it what it would serve)
+    assert flag(render({"llama": {"cacheRamMiB": 2048}}).container("kvtier"), "--llama-cache-ram") == "2048"
+    assert flag(render().container("kvtier"), "--llama-cache-ram") == "0"
+    assert "--llama-cache-ram" not in args_of(render({"llama": {"cacheRamMiB": None}}).container("kvtier"))
     assert args_of(llama)[-1] == "--jinja"
     assert all(isinstance(a, str) for a in llama["args"]), "every arg must render as a string"
     defaults = render().container("llama-server")

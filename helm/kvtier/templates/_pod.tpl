@@ -132,6 +132,10 @@ volumeMounts:
 - {{ $k.compress | quote }}
 - --log-format
 - {{ $k.logFormat | quote }}
+{{- if not (kindIs "invalid" .Values.llama.cacheRamMiB) }}
+- --llama-cache-ram
+- {{ int .Values.llama.cacheRamMiB | quote }}
+{{- end }}
 {{- if not (kindIs "invalid" $k.ttl) }}
 - --ttl
 - {{ int $k.ttl | quote }}
