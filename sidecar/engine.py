@@ -19,6 +19,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from integrations.llama_server import LlamaServerClient, LlamaServerError
 from tiers.base import TierRole
 from tiers.errors import KVTierError
@@ -119,7 +121,7 @@ class KVEngine:
             return None
         plan = RequestPlan(NO_TOKENS, lease, target.namespace_for(salt), salt, asked=asked, follow_up=True,
                            generation=self.watcher.generation, sharing=table.computing - 1)
-        self.watcher.llama_cache.launched(table, lease.slot, None)
+        self._launched(table, lease.slot, None)
         plan.overhead_ms = (time.perf_counter() - since) * 1000 if since is not None else 0.0
         self.metrics.overhead_seconds.observe(plan.overhead_ms / 1000)
         self.metrics.follow_ups.inc()
@@ -161,7 +163,7 @@ class KVEngine:
                 self.session_slots[session_id] = lease.slot
             t1 = time.perf_counter()
             await self._restore(plan, target, early)
-            self.watcher.llama_cache.launched(table, lease.slot, tokens)
+            self._launched(table, lease.slot, tokens)
             if prompt_end and target.memory_kind.has_rest and tokens.size - max(plan.restored_tokens, lease.cached_tokens) > 1:
                 await self.saver.save_prompt_end(table, lease.slot, plan.namespace, tokens, owner=salt)
         except BaseException:
@@ -172,6 +174,17 @@ class KVEngine:
         self.metrics.overhead_seconds.observe(plan.overhead_ms / 1000)
         self.metrics.tokens_slot_reused.inc(lease.cached_tokens)
         return plan
+
+    def _launched(self, table: SlotTable, slot: int, tokens: np.ndarray | None) -> None:
+        """Tell the mirror of llama-server's prompt cache that a completion goes to ``slot``; a
+        failure there is counted and turns the mirror off (the request goes on)."""
+        mirror = self.watcher.llama_cache
+        try:
+            mirror.launched(table, slot, tokens)
+        except Exception as exc:  # best-effort, like every cache step
+            self.metrics.cache_errors.labels("llama_cache").inc()
+            log.warning("mirror of llama-server's prompt cache failed, off until llama-server restarts: %s", exc)
+            mirror.on = False
 
     async def _restore(self, plan: RequestPlan, target: Target, early: EarlyLookup | None = None) -> None:
         """Restore the request's session, else the longest worthwhile prefix; failures recompute."""

@@ -52,7 +52,7 @@ _PROBE_KEPT = "kvtier checks whether this llama-server keeps prompts in its own 
 _PROBE_OTHER = "Zebras, quartz and violins share nothing with the words before."
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # entries are told apart by identity (their tokens are arrays)
 class _Entry:
     tokens: np.ndarray
     owner: str  # the tenant whose prompt it is: another tenant's entry never counts as reused

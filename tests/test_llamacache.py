@@ -97,3 +97,14 @@ def test_a_wrong_llama_cache_ram_stops_start_up(value: str) -> None:
         return
     with pytest.raises(ConfigError, match="llama_cache_ram"):
         load_settings(["--slot-dir", "/tmp", "--llama-cache-ram", value], env={})
+
+
+def test_loading_an_entry_behind_others_of_other_lengths_takes_that_one_out() -> None:
+    cache = LlamaPromptCache(256, 100)
+    first, second = toks(0, 500), toks(20_000, 1000)
+    cache.launched(table_holding(first, second, np.zeros(0, np.int32)), 2, toks(90_000, 5))  # both idle: saved
+    table = table_holding(toks(40_000, 300))
+    back = np.concatenate([second, toks(7_000, 9)])
+    assert cache.reused(table.tokens(0), back, "") == 1000
+    cache.launched(table, 0, back)
+    assert [int(e.tokens[0]) for e in cache.entries] == [0, 40_000]
