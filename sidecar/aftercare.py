@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from integrations.llama_server import Timings
 from integrations.memkind import MemoryKind
@@ -28,6 +29,9 @@ from .watcher import ServerWatcher
 log = logging.getLogger("kvtier.engine")
 
 SAVE_DELAY_S = 0.01  # between delivering an answer and saving its slot
+# How long a save's request is in flight before its slot may go to a request that waits for it
+# (``Aftercare._hand_over_when_wanted``): by then llama-server has queued the save.
+HANDOVER_AFTER_S = 0.05
 
 
 class Aftercare:
@@ -154,6 +158,8 @@ class Aftercare:
             return False
 
         def read() -> None:
+            if lease.released:
+                return  # handed over while the save waited: the slot serves another request already
             # After the save set the slot's tokens (and so forgot what it answered).
             if ok:
                 table.record_asked(lease.slot, plan.asked)
@@ -164,11 +170,36 @@ class Aftercare:
                                                      owner=plan.salt, read=read)
             self.session_slots[plan.session_id] = lease.slot
             self.prompts.check(plan.prompt, manifest.tokens)
-        else:
-            state = await self.saver.save_slot(table, lease.slot, plan.namespace, owner=plan.salt, read=read)
-            if ok:  # a cut answer's slot may hold part of the prompt only
-                self.prompts.check(plan.prompt, state.tokens.tokens)
+            return True
+        save = asyncio.ensure_future(self.saver.save_slot(table, lease.slot, plan.namespace, owner=plan.salt,
+                                                          read=read, grant=table.slots[lease.slot].leases))
+        try:
+            await self._hand_over_when_wanted(plan, save)
+            state = await save
+        finally:
+            save.cancel()  # when this task is cancelled (a no-op once the save is done)
+        if ok:  # a cut answer's slot may hold part of the prompt only
+            self.prompts.check(plan.prompt, state.tokens.tokens)
         return True
+
+    async def _hand_over_when_wanted(self, plan: RequestPlan, save: asyncio.Future[Any]) -> None:
+        """While the slot's save is sent but not done (llama-server runs it between the batches
+        other slots compute: seconds on a busy server), give the slot to a request that waits for
+        it (``SlotTable.hand_over``): llama-server alone would serve that request at once, and its
+        queue still runs the save first. Only after ``HANDOVER_AFTER_S``, so that the save's
+        request is in llama-server's queue before the next request's."""
+        lease, table = plan.lease, plan.lease.table
+        await asyncio.wait({save}, timeout=HANDOVER_AFTER_S)
+        while not save.done() and not lease.released:
+            if table.wanted(lease.slot):
+                table.hand_over(lease)
+                self.metrics.saves_handed_over.inc()
+                return
+            wanted: asyncio.Future[Any] = asyncio.ensure_future(table.until_wanted(lease.slot))
+            try:
+                await asyncio.wait({save, wanted}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                wanted.cancel()
 
     async def _server_changed(self, plan: RequestPlan) -> bool:
         """Whether another llama-server process answers now than the one ``plan`` was planned for

@@ -93,6 +93,9 @@ class Metrics:
         self.saves_skipped = Counter("kvtier_saves_skipped", "Saves after an answer not made: the conversation's "
                                      "next request already waited for the slot (its own save stores it all)",
                                      registry=r)
+        self.saves_handed_over = Counter("kvtier_saves_handed_over", "Slots given to a waiting request while their "
+                                         "save waited in llama-server's queue (which runs the save first)",
+                                         registry=r)
         self.decisions = Counter("kvtier_cost_decisions", "Cost-model decisions: restore, recompute, spared (no "
                                  "lookup: no prefix the tiers could hold would be restored), or llama_cache (left "
                                  "to llama-server's own prompt cache, which loads it without queueing)", ["decision"], registry=r)

@@ -84,16 +84,17 @@ class Saver:
         return True
 
     async def save_slot(self, table: SlotTable, slot: int, namespace: Namespace, *, owner: str = "",
-                        read: Callable[[], None] | None = None) -> SeqState:
+                        read: Callable[[], None] | None = None, grant: int | None = None) -> SeqState:
         """Save ``slot``, store its new chunks and its partial tail, and record what it holds.
 
         ``read`` is called once llama-server has written the state and kvtier has read it: the slot
         may serve its next request from then on (llama-server alone would), while its chunks are
         split and stored from the bytes read. Stores of one slot run one after the other.
+        ``grant``: as in ``SlotTable.record_saved`` (a slot handed over meanwhile records nothing).
         """
         t0 = time.perf_counter()
         state = await self.files.save(slot, "save")
-        saved = table.record_saved(slot, state.tokens.tokens.copy(), owner)
+        saved = table.record_saved(slot, state.tokens.tokens.copy(), owner, grant)
         if read is not None:
             read()
         async with self._storing.setdefault(slot, asyncio.Lock()):

@@ -81,6 +81,8 @@ class Slot:
     # The id of the last task llama-server reported for it. Task ids only grow within one
     # llama-server process: one that went down, or vanished, means the server restarted.
     task_id: int | None = None
+    # Grants so far: a save begun under an earlier one (its slot handed over since) records nothing.
+    leases: int = 0
 
     def hot(self) -> tuple[np.ndarray, str]:
         """What the slot holds at least, and for which tenant: while its save runs, the prompt
@@ -138,7 +140,135 @@ class Lease:
         self.release()
 
 
-class SlotTable:
+# A request waiting for a slot: its future, prompt, the slot it asked for (or None) and its tenant.
+Waiter = tuple[asyncio.Future[Lease], np.ndarray, int | None, str]
+
+
+class SlotRecords:
+    """The records of what each slot holds, and the transitions of the save after an answer
+    (``SlotTable`` is one: its choice of slots and its queue are in the class itself)."""
+
+    slots: list[Slot]
+    _waiters: collections.deque[Waiter]
+    _awaited: dict[int, asyncio.Event]  # slots whose save waits to learn that it is ``awaited``
+    _wanted: dict[int, asyncio.Event]  # slots whose save waits to learn that it is ``wanted``
+
+    def set_tokens(self, slot: int, tokens: np.ndarray, owner: str | None = None) -> None:
+        """Record what ``slot`` holds (exactly), and whose it is (``None``: the same tenant as before)."""
+        self.slots[slot].tokens = np.asarray(tokens, dtype=np.int32)
+        self.slots[slot].asked = ()
+        self.slots[slot].unknown = False
+        if owner is not None:
+            self.slots[slot].owner = owner
+
+    def forget(self, slot: int) -> None:
+        """What ``slot`` holds is unknown now (a failed request or save): none of it counts as
+        cached, and another tenant's request erases it before use (its owner is kept)."""
+        self.set_tokens(slot, np.zeros(0, np.int32))
+        self.slots[slot].unknown = True
+
+    def begin_save(self, slot: int, answered: tuple[np.ndarray, str] | None) -> None:
+        """An answer ended in ``slot`` and its save begins: the slot is saving, and holds at least
+        ``answered`` (the prompt it answered and its tenant; None for a failed request)."""
+        record = self.slots[slot]
+        record.served = record.saving = True
+        record.answered = answered
+
+    def awaited(self, slot: int) -> bool:
+        """Whether a request of the same tenant waits for ``slot`` while its save runs, repeating or
+        continuing the prompt it answered: the slot serves it as llama-server alone would."""
+        record = self.slots[slot]
+        return record.saving and record.answered is not None and any(
+            _continues_answer(record.answered, slot, *entry) for entry in self._waiters)
+
+    async def until_awaited(self, slot: int, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for ``slot`` to be ``awaited``; whether it is."""
+        event = self._awaited[slot] = asyncio.Event()
+        try:
+            if not self.awaited(slot):
+                await asyncio.wait_for(event.wait(), timeout)
+        except TimeoutError:
+            pass
+        finally:
+            self._awaited.pop(slot, None)
+        return self.awaited(slot)
+
+    def wanted(self, slot: int) -> bool:
+        """Whether a request waits that ``slot`` could serve (it asked for that slot, or any)."""
+        return any(not fut.done() and want in (None, slot) for fut, _, want, _ in self._waiters)
+
+    async def until_wanted(self, slot: int) -> None:
+        """Return once ``slot`` is ``wanted``."""
+        event = self._wanted[slot] = asyncio.Event()
+        try:
+            if not self.wanted(slot):
+                await event.wait()
+        finally:
+            self._wanted.pop(slot, None)
+
+    def hand_over(self, lease: Lease) -> None:
+        """The save after ``lease``'s answer is sent but not done (it waits in llama-server's queue
+        behind other slots' batches) and a request waits for the slot: the slot goes to it now.
+        llama-server runs its queued tasks in order, so that save still reads what the answer left
+        before the next request's task starts. The slot holds at least the prompt it answered; the
+        save records nothing when it ends (``record_saved``)."""
+        record = self.slots[lease.slot]
+        if record.answered is not None:
+            self.set_tokens(lease.slot, record.answered[0], owner=record.answered[1])
+        else:
+            self.forget(lease.slot)
+        self.end_save(lease)
+
+    def skip_save(self, slot: int, asked: Asked) -> None:
+        """The save after an answer is not made (``awaited``): the slot holds at least the prompt
+        it answered, for that prompt's tenant, and the request it answered asked ``asked``."""
+        record = self.slots[slot]
+        assert record.answered is not None
+        self.set_tokens(slot, record.answered[0], owner=record.answered[1])
+        record.asked = asked
+
+    def end_save(self, lease: Lease) -> None:
+        """The save after an answer has read the slot (or will not read it): give the slot back for
+        its next request. Once: a next request may hold the slot by a later call."""
+        if lease.released:
+            return
+        record = self.slots[lease.slot]
+        record.saving = False
+        record.answered = None
+        lease.release()
+
+    def record_saved(self, slot: int, tokens: np.ndarray, owner: str, grant: int | None = None) -> SavedSlot:
+        """A save read ``tokens`` from ``slot`` (tenant ``owner``); returns what the slot held
+        before and the array it holds now (a later change of the slot replaces that array).
+        ``grant``: the slot's lease count when the save began; when it was handed over since
+        (``hand_over``), the slot serves another request and nothing is recorded."""
+        record = self.slots[slot]
+        if grant is not None and grant != record.leases:
+            return SavedSlot(np.asarray(tokens, dtype=np.int32), np.zeros(0, np.int32), None)
+        previous, previous_tail = record.tokens, record.tail
+        self.set_tokens(slot, tokens, owner=owner)
+        return SavedSlot(record.tokens, previous, previous_tail)
+
+    def record_tail(self, slot: int, saved: SavedSlot, stored: StoredState) -> None:
+        """The tail the slot answers for after storing the save ``saved`` (``tail_after_store``),
+        unless the slot changed since (a next request restored into it, or was saved): then that
+        tail is no longer the one it holds."""
+        record = self.slots[slot]
+        if record.tokens is saved.tokens:
+            record.tail = tail_after_store(stored, record.tail)
+
+    def drop_tail(self, slot: int) -> None:
+        """Keep the tail ``slot`` stored last from its next save's replacing it (``store_state``
+        deletes the tail a save supersedes)."""
+        self.slots[slot].tail = None
+
+    def record_asked(self, slot: int, asked: Asked) -> None:
+        """What the request whose answer ``slot`` holds asked (for its follow-ups): set after the
+        save recorded the slot's tokens, which forgets what it asked before."""
+        self.slots[slot].asked = asked
+
+
+class SlotTable(SlotRecords):
     """Slot choice: the idle slot whose reuse is worth most (``_worth``), the least recently used one among equals."""
 
     def __init__(self, n_slots: int, clock: Callable[[], float] = time.monotonic):
@@ -146,10 +276,9 @@ class SlotTable:
             raise ValueError("n_slots must be positive")
         self.slots = [Slot(i) for i in range(n_slots)]
         self._clock = clock
-        self._waiters: collections.deque[tuple[asyncio.Future[Lease], np.ndarray, int | None, str]] = (
-            collections.deque()
-        )
-        self._awaited: dict[int, asyncio.Event] = {}  # slots whose save waits to learn that it is ``awaited``
+        self._waiters: collections.deque[Waiter] = collections.deque()
+        self._awaited: dict[int, asyncio.Event] = {}
+        self._wanted: dict[int, asyncio.Event] = {}
 
     @property
     def n_slots(self) -> int:
@@ -180,8 +309,7 @@ class SlotTable:
         now = self._clock()
         coldest = min(idle, key=lambda s: s.last_used)
         best = max(idle, key=lambda s: (_worth(s, held[s.id], coldest, now), -s.last_used))
-        best.busy = True
-        best.last_used = now
+        self._grant(best)
         return Lease(self, best.id, held[best.id],
                      foreign=best.owner != owner and (best.tokens.size > 0 or best.unknown))
 
@@ -208,6 +336,9 @@ class SlotTable:
         for slot, event in self._awaited.items():
             if self.awaited(slot):
                 event.set()
+        for slot, event in self._wanted.items():
+            if want in (None, slot):
+                event.set()
         try:
             lease = await asyncio.wait_for(asyncio.shield(fut), timeout)
         except (TimeoutError, asyncio.CancelledError):
@@ -232,8 +363,7 @@ class SlotTable:
         for s in self.slots:
             if (not s.busy and s.asked and s.owner == owner and (want is None or s.id == want)
                     and continues(s.asked, asked)):
-                s.busy = True
-                s.last_used = self._clock()
+                self._grant(s)
                 return Lease(self, s.id, 0)
         return None
 
@@ -242,9 +372,13 @@ class SlotTable:
         s = self.slots[slot]
         if s.busy:
             return None
-        s.busy = True
-        s.last_used = self._clock()
+        self._grant(s)
         return Lease(self, slot, 0)
+
+    def _grant(self, slot: Slot) -> None:
+        slot.busy = True
+        slot.last_used = self._clock()
+        slot.leases += 1
 
     def _release(self, slot: int) -> None:
         self.slots[slot].busy = False
@@ -266,14 +400,6 @@ class SlotTable:
             self._waiters.remove(entry)
             fut.set_result(lease)
 
-    def set_tokens(self, slot: int, tokens: np.ndarray, owner: str | None = None) -> None:
-        """Record what ``slot`` holds (exactly), and whose it is (``None``: the same tenant as before)."""
-        self.slots[slot].tokens = np.asarray(tokens, dtype=np.int32)
-        self.slots[slot].asked = ()
-        self.slots[slot].unknown = False
-        if owner is not None:
-            self.slots[slot].owner = owner
-
     # -- what a slot holds: every change goes through one of these ---------------------------------
 
     def record_restore(self, slot: int, tokens: np.ndarray, *, owner: str, tail: TailRecord | None) -> None:
@@ -282,76 +408,6 @@ class SlotTable:
         self.set_tokens(slot, tokens, owner=owner)
         if tail is not None:
             self.slots[slot].tail = tail
-
-    def begin_save(self, slot: int, answered: tuple[np.ndarray, str] | None) -> None:
-        """An answer ended in ``slot`` and its save begins: the slot is saving, and holds at least
-        ``answered`` (the prompt it answered and its tenant; None for a failed request)."""
-        record = self.slots[slot]
-        record.served = record.saving = True
-        record.answered = answered
-
-    def awaited(self, slot: int) -> bool:
-        """Whether a request of the same tenant waits for ``slot`` while its save runs, repeating or
-        continuing the prompt it answered: the slot serves it as llama-server alone would."""
-        record = self.slots[slot]
-        return record.saving and record.answered is not None and any(
-            _continues_answer(record.answered, slot, *entry) for entry in self._waiters)
-
-    async def until_awaited(self, slot: int, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for ``slot`` to be ``awaited``; whether it is."""
-        event = self._awaited[slot] = asyncio.Event()
-        try:
-            if not self.awaited(slot):
-                await asyncio.wait_for(event.wait(), timeout)
-        except TimeoutError:
-            pass
-        finally:
-            self._awaited.pop(slot, None)
-        return self.awaited(slot)
-
-    def skip_save(self, slot: int, asked: Asked) -> None:
-        """The save after an answer is not made (``awaited``): the slot holds at least the prompt
-        it answered, for that prompt's tenant, and the request it answered asked ``asked``."""
-        record = self.slots[slot]
-        assert record.answered is not None
-        self.set_tokens(slot, record.answered[0], owner=record.answered[1])
-        record.asked = asked
-
-    def end_save(self, lease: Lease) -> None:
-        """The save after an answer has read the slot (or will not read it): give the slot back for
-        its next request. Once: a next request may hold the slot by a later call."""
-        if lease.released:
-            return
-        record = self.slots[lease.slot]
-        record.saving = False
-        record.answered = None
-        lease.release()
-
-    def record_saved(self, slot: int, tokens: np.ndarray, owner: str) -> SavedSlot:
-        """A save read ``tokens`` from ``slot`` (tenant ``owner``); returns what the slot held
-        before and the array it holds now (a later change of the slot replaces that array)."""
-        record = self.slots[slot]
-        previous, previous_tail = record.tokens, record.tail
-        self.set_tokens(slot, tokens, owner=owner)
-        return SavedSlot(record.tokens, previous, previous_tail)
-
-    def record_tail(self, slot: int, saved: SavedSlot, stored: StoredState) -> None:
-        """The tail the slot answers for after storing the save ``saved`` (``tail_after_store``),
-        unless the slot changed since (a next request restored into it, or was saved): then that
-        tail is no longer the one it holds."""
-        record = self.slots[slot]
-        if record.tokens is saved.tokens:
-            record.tail = tail_after_store(stored, record.tail)
-
-    def drop_tail(self, slot: int) -> None:
-        """Keep the tail ``slot`` stored last from its next save's replacing it (``store_state``
-        deletes the tail a save supersedes)."""
-        self.slots[slot].tail = None
-
-    def record_asked(self, slot: int, asked: Asked) -> None:
-        """What the request whose answer ``slot`` holds asked (for its follow-ups): set after the
-        save recorded the slot's tokens, which forgets what it asked before."""
-        self.slots[slot].asked = asked
 
     def emptied(self, slot: int) -> None:
         """llama-server reports ``slot`` empty (erased behind kvtier's back): it holds nothing and
@@ -381,9 +437,3 @@ class SlotTable:
 
     def tokens(self, slot: int) -> np.ndarray:
         return self.slots[slot].tokens
-
-    def forget(self, slot: int) -> None:
-        """What ``slot`` holds is unknown now (a failed request or save): none of it counts as
-        cached, and another tenant's request erases it before use (its owner is kept)."""
-        self.set_tokens(slot, np.zeros(0, np.int32))
-        self.slots[slot].unknown = True
