@@ -63,13 +63,15 @@ class LlamaPromptCache:
     """A mirror of one llama-server process's prompt cache (``--cache-ram``).
 
     Args:
-        limit_mib: llama-server's ``--cache-ram`` (-1: no limit; 0: no cache, the mirror is off).
+        limit_mib: llama-server's ``--cache-ram`` (-1: no size limit; 0: no cache, the mirror is off).
         bytes_per_token: KV bytes of one token (what an entry costs against the limit).
+        max_tokens: without a size limit, llama-server keeps at most its context's tokens (``-c``).
     """
 
-    def __init__(self, limit_mib: int, bytes_per_token: int):
+    def __init__(self, limit_mib: int, bytes_per_token: int, max_tokens: int = 0):
         self.on = limit_mib != 0
-        self.limit = max(limit_mib, 0) << 20  # 0: no limit (when on)
+        self.limit = max(limit_mib, 0) << 20  # 0: no size limit (when on)
+        self.max_tokens = max_tokens if not self.limit else 0  # 0: none
         self.bytes_per_token = max(bytes_per_token, 1)
         self.entries: list[_Entry] = []  # oldest first
         self._saved: dict[int, np.ndarray] = {}  # slot -> the token array last saved from it
@@ -144,6 +146,9 @@ class LlamaPromptCache:
         while self.entries and self.limit and total + nbytes > self.limit:
             total -= self.entries.pop(0).nbytes
         self.entries.append(_Entry(tokens, owner, nbytes))
+        count = sum(int(e.tokens.size) for e in self.entries)
+        while len(self.entries) > 1 and self.max_tokens and count > self.max_tokens:
+            count -= int(self.entries.pop(0).tokens.size)
 
 
 def _updates(held: np.ndarray, tokens: np.ndarray, lcp: int) -> bool:

@@ -216,7 +216,7 @@ class ServerWatcher:
         ns = Namespace(layout_fingerprint(identity, layout), chunk_tokens=self.settings.chunk_tokens)
         n_ctx = int(props.get("default_generation_settings", {}).get("n_ctx") or 0)
         await self.prompts.setup(props, self.settings.model or model_path)
-        llama_cache = await self._llama_cache(table, idle, memory, bytes_per_token)
+        llama_cache = await self._llama_cache(table, idle, memory, bytes_per_token, n_ctx * n_slots)
         # No await from here on: a request that finds the target set must find the new slot table.
         self.target = Target(n_slots, n_stream or 1, v_trans, model_id, ns, bytes_per_token, n_ctx, memory)
         self._signature = _signature(props)
@@ -228,11 +228,12 @@ class ServerWatcher:
                  n_slots, self.target.n_stream, self.target.v_trans, bytes_per_token,
                  memory.label, ns.id)
 
-    async def _llama_cache(self, table: SlotTable, idle: list[int], memory: MemoryKind,
-                           bytes_per_token: int) -> LlamaPromptCache:
+    async def _llama_cache(self, table: SlotTable, idle: list[int], memory: MemoryKind, bytes_per_token: int,
+                           n_ctx: int) -> LlamaPromptCache:
         """A mirror of llama-server's own prompt cache, its size as configured (``--llama-cache-ram``)
         or tested in the idle slot holding least (``llamacache.detect``: its content is given up).
-        Mirrored for a plain KV cache only: a state with a rest is reused whole or not at all."""
+        Mirrored for a plain KV cache only: a state with a rest is reused whole or not at all.
+        ``n_ctx``: llama-server's whole context, what its cache keeps at most without a size limit."""
         mib = self.settings.llama_cache_ram
         if memory.has_rest:
             mib = 0
@@ -246,7 +247,7 @@ class ServerWatcher:
                     log.warning("could not tell whether llama-server keeps a prompt cache (%s): taken as none", exc)
                 table.set_tokens(slot, np.zeros(0, np.int32))
             log.info("llama-server's own prompt cache: %s", f"on, taken as {mib} MiB" if mib else "off")
-        return LlamaPromptCache(mib, bytes_per_token)
+        return LlamaPromptCache(mib, bytes_per_token, n_ctx)
 
     def _model_id(self, model_path: str, props: Mapping[str, Any]) -> str:
         if self.settings.model_id:

@@ -108,3 +108,10 @@ def test_loading_an_entry_behind_others_of_other_lengths_takes_that_one_out() ->
     assert cache.reused(table.tokens(0), back, "") == 1000
     cache.launched(table, 0, back)
     assert [int(e.tokens[0]) for e in cache.entries] == [0, 40_000]
+
+
+def test_without_a_size_limit_the_cache_keeps_at_most_the_context() -> None:
+    cache = LlamaPromptCache(-1, 100, max_tokens=1500)
+    for start in (0, 10_000, 20_000):  # three idle slots' prompts of 600 tokens
+        cache.launched(table_holding(toks(start, 600), np.zeros(0, np.int32)), 1, toks(90_000, 5))
+    assert [int(e.tokens[0]) for e in cache.entries] == [10_000, 20_000]
