@@ -190,16 +190,16 @@ class Aftercare:
         request is in llama-server's queue before the next request's."""
         lease, table = plan.lease, plan.lease.table
         await asyncio.wait({save}, timeout=HANDOVER_AFTER_S)
-        while not save.done() and not lease.released:
-            if table.wanted(lease.slot):
-                table.hand_over(lease)
-                self.metrics.saves_handed_over.inc()
-                return
-            wanted: asyncio.Future[Any] = asyncio.ensure_future(table.until_wanted(lease.slot))
-            try:
-                await asyncio.wait({save, wanted}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                wanted.cancel()
+        if save.done():
+            return
+        wanted: asyncio.Future[Any] = asyncio.ensure_future(table.until_wanted(lease.slot))
+        try:
+            await asyncio.wait({save, wanted}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            wanted.cancel()
+        if not save.done() and not lease.released and table.wanted(lease.slot):
+            table.hand_over(lease)
+            self.metrics.saves_handed_over.inc()
 
     async def _server_changed(self, plan: RequestPlan) -> bool:
         """Whether another llama-server process answers now than the one ``plan`` was planned for

@@ -197,7 +197,8 @@ class KVEngine:
                 lease.table.set_tokens(lease.slot, NO_TOKENS, owner=plan.salt)
             # What llama-server would reuse by itself: the slot's common prefix, or an entry of its
             # own prompt cache it loads in the same task (a kvtier restore waits in its queue).
-            plan.llama_reused = self.watcher.llama_cache.reused(lease.table.tokens(lease.slot), plan.tokens, plan.salt)
+            plan.llama_reused = self.watcher.llama_cache.reused(lease.table.tokens(lease.slot), plan.tokens,
+                                                                lease.cached_tokens, plan.salt)
             # One request waits at most --save-wait for saves in flight, its session's and its prefix's together.
             budget = WaitBudget(self.settings.save_wait)
             if plan.session_id is not None and await self._restore_session_prefix(plan, target, budget):

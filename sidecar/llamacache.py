@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from integrations.llama_server import LlamaServerClient, LlamaServerError, Timings
+from integrations.llama_server import LlamaServerClient, LlamaServerError, Timings, prefix_reused
 from tiers.keys import common_prefix
 
 from .slots import SlotTable
@@ -77,10 +77,9 @@ class LlamaPromptCache:
         self._saved: dict[int, np.ndarray] = {}  # slot -> the token array last saved from it
         self._misses = 0
 
-    def reused(self, held: np.ndarray, tokens: np.ndarray, owner: str) -> int:
+    def reused(self, held: np.ndarray, tokens: np.ndarray, base: int, owner: str) -> int:
         """Tokens of ``tokens`` llama-server would reuse by itself in a slot holding ``held`` (of
-        tenant ``owner``): what the slot shares with them, or the cached entry it would load."""
-        base = common_prefix(held, tokens)
+        tenant ``owner``) that shares ``base`` tokens with them: those, or the cached entry it would load."""
         if not self.on or not _updates(held, tokens, base):
             return base
         best = self._best(held, tokens, base)
@@ -95,9 +94,10 @@ class LlamaPromptCache:
             return
         record = table.slots[slot]
         held, owner = record.hot()
-        if tokens is not None and _updates(held, tokens, common_prefix(held, tokens)):
+        base = common_prefix(held, tokens) if tokens is not None else 0
+        if tokens is not None and _updates(held, tokens, base):
             self._save(slot, held, owner)
-            best = self._best(held, tokens, common_prefix(held, tokens))
+            best = self._best(held, tokens, base)
             if best is not None:
                 self.entries.remove(best)
         for other in table.slots:
@@ -109,7 +109,7 @@ class LlamaPromptCache:
         count it a miss when llama-server reused less; off after ``MISSES_LIMIT`` in a row."""
         if not self.on or timings is None:
             return
-        if timings.prompt_n <= max(prompt_tokens - promised, 0) + 1:
+        if prefix_reused(timings, prompt_tokens, promised):
             self._misses = 0
             return
         self._misses += 1

@@ -150,8 +150,7 @@ class SlotRecords:
 
     slots: list[Slot]
     _waiters: collections.deque[Waiter]
-    _awaited: dict[int, asyncio.Event]  # slots whose save waits to learn that it is ``awaited``
-    _wanted: dict[int, asyncio.Event]  # slots whose save waits to learn that it is ``wanted``
+    _watched: dict[int, asyncio.Event]  # slots whose save waits for a waiter (set at each new one)
 
     def set_tokens(self, slot: int, tokens: np.ndarray, owner: str | None = None) -> None:
         """Record what ``slot`` holds (exactly), and whose it is (``None``: the same tenant as before)."""
@@ -183,15 +182,7 @@ class SlotRecords:
 
     async def until_awaited(self, slot: int, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for ``slot`` to be ``awaited``; whether it is."""
-        event = self._awaited[slot] = asyncio.Event()
-        try:
-            if not self.awaited(slot):
-                await asyncio.wait_for(event.wait(), timeout)
-        except TimeoutError:
-            pass
-        finally:
-            self._awaited.pop(slot, None)
-        return self.awaited(slot)
+        return await self._until(slot, lambda: self.awaited(slot), timeout)
 
     def wanted(self, slot: int) -> bool:
         """Whether a request waits that ``slot`` could serve (it asked for that slot, or any)."""
@@ -199,12 +190,22 @@ class SlotRecords:
 
     async def until_wanted(self, slot: int) -> None:
         """Return once ``slot`` is ``wanted``."""
-        event = self._wanted[slot] = asyncio.Event()
+        await self._until(slot, lambda: self.wanted(slot), None)
+
+    async def _until(self, slot: int, holds: Callable[[], bool], timeout: float | None) -> bool:
+        """Wait up to ``timeout`` seconds (None: no limit) for ``holds()``, checked again each time
+        a request starts waiting (the save of ``slot`` waits, one at a time); whether it holds."""
+        event = self._watched[slot] = asyncio.Event()
         try:
-            if not self.wanted(slot):
-                await event.wait()
+            async with asyncio.timeout(timeout):
+                while not holds():
+                    event.clear()
+                    await event.wait()
+        except TimeoutError:
+            pass
         finally:
-            self._wanted.pop(slot, None)
+            self._watched.pop(slot, None)
+        return holds()
 
     def hand_over(self, lease: Lease) -> None:
         """The save after ``lease``'s answer is sent but not done (it waits in llama-server's queue
@@ -212,20 +213,20 @@ class SlotRecords:
         llama-server runs its queued tasks in order, so that save still reads what the answer left
         before the next request's task starts. The slot holds at least the prompt it answered; the
         save records nothing when it ends (``record_saved``)."""
-        record = self.slots[lease.slot]
-        if record.answered is not None:
-            self.set_tokens(lease.slot, record.answered[0], owner=record.answered[1])
-        else:
-            self.forget(lease.slot)
+        self._holds_answered(lease.slot)
         self.end_save(lease)
 
     def skip_save(self, slot: int, asked: Asked) -> None:
         """The save after an answer is not made (``awaited``): the slot holds at least the prompt
         it answered, for that prompt's tenant, and the request it answered asked ``asked``."""
-        record = self.slots[slot]
-        assert record.answered is not None
-        self.set_tokens(slot, record.answered[0], owner=record.answered[1])
-        record.asked = asked
+        self._holds_answered(slot)
+        self.slots[slot].asked = asked
+
+    def _holds_answered(self, slot: int) -> None:
+        """Record that ``slot`` holds the prompt its answer ran on (at least), for that prompt's tenant."""
+        answered = self.slots[slot].answered
+        assert answered is not None  # an answer that is saved (or skipped) ran on a prompt
+        self.set_tokens(slot, answered[0], owner=answered[1])
 
     def end_save(self, lease: Lease) -> None:
         """The save after an answer has read the slot (or will not read it): give the slot back for
@@ -277,8 +278,7 @@ class SlotTable(SlotRecords):
         self.slots = [Slot(i) for i in range(n_slots)]
         self._clock = clock
         self._waiters: collections.deque[Waiter] = collections.deque()
-        self._awaited: dict[int, asyncio.Event] = {}
-        self._wanted: dict[int, asyncio.Event] = {}
+        self._watched: dict[int, asyncio.Event] = {}
 
     @property
     def n_slots(self) -> int:
@@ -333,12 +333,8 @@ class SlotTable(SlotRecords):
         entry = (fut, tokens, want, owner)
         self._waiters.append(entry)
         self._wake()  # those ahead may wait for one slot in particular: this one may still go now
-        for slot, event in self._awaited.items():
-            if self.awaited(slot):
-                event.set()
-        for slot, event in self._wanted.items():
-            if want in (None, slot):
-                event.set()
+        for event in self._watched.values():  # a save waiting for a waiter checks this one
+            event.set()
         try:
             lease = await asyncio.wait_for(asyncio.shield(fut), timeout)
         except (TimeoutError, asyncio.CancelledError):

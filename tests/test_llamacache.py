@@ -10,10 +10,15 @@ from sidecar.config import load_settings
 from sidecar.llamacache import MISSES_LIMIT, LlamaPromptCache
 from sidecar.slots import SlotTable
 from tiers.errors import ConfigError
+from tiers.keys import common_prefix
 
 
 def toks(start: int, n: int) -> np.ndarray:
     return np.arange(start, start + n, dtype=np.int32)
+
+
+def reused(cache: LlamaPromptCache, held: np.ndarray, tokens: np.ndarray, owner: str = "") -> int:
+    return cache.reused(held, tokens, common_prefix(held, tokens), owner)
 
 
 def table_holding(*held: np.ndarray) -> SlotTable:
@@ -27,13 +32,13 @@ def test_a_prompt_overwritten_by_another_is_loaded_back_by_llama_server() -> Non
     conversation, other = toks(0, 1000), toks(50_000, 800)
     table = table_holding(conversation)
     cache = LlamaPromptCache(256, 100)
-    assert cache.reused(conversation, other, "") == 0  # nothing in common, nothing cached yet
+    assert reused(cache, conversation, other) == 0  # nothing in common, nothing cached yet
     cache.launched(table, 0, other)  # keeps under half of the slot: its prompt goes to the cache
     table.set_tokens(0, other)
     back = np.concatenate([conversation, toks(90_000, 20)])
-    assert cache.reused(other, back, "") == 1000  # llama-server loads it in the same task
+    assert reused(cache, other, back) == 1000  # llama-server loads it in the same task
     cache.launched(table, 0, back)
-    assert cache.reused(other, back, "") == 0  # a loaded entry leaves the cache
+    assert reused(cache, other, back) == 0  # a loaded entry leaves the cache
 
 
 def test_a_continuation_or_an_empty_slot_does_not_touch_the_cache() -> None:
@@ -47,7 +52,7 @@ def test_a_continuation_or_an_empty_slot_does_not_touch_the_cache() -> None:
     # An entry exists, but the slot is empty: llama-server's keep share of it is 0/0, no load.
     cache.launched(table_holding(conversation, np.zeros(0, np.int32)), 1, toks(50_000, 10))
     assert [e.tokens.size for e in cache.entries] == [1000]  # the idle slot 0 was saved
-    assert cache.reused(np.zeros(0, np.int32), longer, "") == 0
+    assert reused(cache, np.zeros(0, np.int32), longer) == 0
 
 
 def test_an_entry_that_keeps_under_a_quarter_of_itself_or_is_another_tenants_is_not_counted() -> None:
@@ -55,10 +60,10 @@ def test_an_entry_that_keeps_under_a_quarter_of_itself_or_is_another_tenants_is_
     cache = LlamaPromptCache(-1, 100)
     cache.launched(table_holding(long_doc), 0, toks(50_000, 10))
     asked = np.concatenate([long_doc[:900], toks(70_000, 100)])  # keeps 900 / 4000 < 0.25 of it
-    assert cache.reused(toks(60_000, 10), asked, "") == 0
+    assert reused(cache, toks(60_000, 10), asked) == 0
     asked = np.concatenate([long_doc[:1100], toks(70_000, 100)])
-    assert cache.reused(toks(60_000, 10), asked, "") == 1100
-    assert cache.reused(toks(60_000, 10), asked, "tenant-b") == 0  # the entry is tenant ""'s
+    assert reused(cache, toks(60_000, 10), asked) == 1100
+    assert reused(cache, toks(60_000, 10), asked, "tenant-b") == 0  # the entry is tenant ""'s
 
 
 def test_the_size_limit_drops_the_oldest_and_a_contained_prompt_replaces_its_prefix() -> None:
@@ -86,7 +91,7 @@ def test_answers_that_reuse_less_than_promised_turn_the_mirror_off() -> None:
     assert cache.on
     cache.answered(990, missed, 1000)
     assert not cache.on
-    assert cache.reused(toks(0, 10), toks(0, 20), "") == 10  # off: the slot's own prefix only
+    assert reused(cache, toks(0, 10), toks(0, 20)) == 10  # off: the slot's own prefix only
     assert not LlamaPromptCache(0, 100).on
 
 
@@ -105,7 +110,7 @@ def test_loading_an_entry_behind_others_of_other_lengths_takes_that_one_out() ->
     cache.launched(table_holding(first, second, np.zeros(0, np.int32)), 2, toks(90_000, 5))  # both idle: saved
     table = table_holding(toks(40_000, 300))
     back = np.concatenate([second, toks(7_000, 9)])
-    assert cache.reused(table.tokens(0), back, "") == 1000
+    assert reused(cache, table.tokens(0), back) == 1000
     cache.launched(table, 0, back)
     assert [int(e.tokens[0]) for e in cache.entries] == [0, 40_000]
 
