@@ -11,7 +11,8 @@ llama-server alone (same flags, its host-memory prompt cache ``--cache-ram`` at 
   the same node and on another node. The share of the prefix reused (not computed again).
 - ``agent_subagents``: three agents at once, each growing a main thread in four steps, then running
   two sub-agent windows of their own, then a short finalize on the main thread, with at most four
-  requests in flight. Finalize TTFT over the main thread's last step, and tokens computed.
+  requests in flight (``--agent-rounds`` such rounds, one after the other). Finalize TTFT over the
+  main thread's last step, and tokens computed.
 
 Modes: ``alone`` (llama-server), ``kvtier`` (the same flags), ``kvtier-cache-ram-0`` (llama-server's
 prompt cache off, as where tenants share a server). Each mode runs on fresh nodes (``-np 4``, one
@@ -142,7 +143,7 @@ async def _agent(s: aiohttp.ClientSession, url: str, a: int, main_tokens: int, s
         main.append({"role": "assistant", "content": last.content})
     assert last is not None
     subs = [[{"role": "system", "content": f"Sub-agent {a}.{j}: read and report."},
-             {"role": "user", "content": document(sub_tokens, 500 + 10 * a + j)}] for j in range(2)]
+             {"role": "user", "content": document(sub_tokens, 5000 + 10 * a + j)}] for j in range(2)]
     await asyncio.gather(*(ask(m) for m in subs))
     main.append({"role": "user", "content": "Both sub-agents reported. Finalize in one line."})
     final = await ask(main)
@@ -151,9 +152,16 @@ async def _agent(s: aiohttp.ClientSession, url: str, a: int, main_tokens: int, s
             "finalize_computed": final.recomputed_tokens, "finalize_prompt_tokens": final.prompt_tokens}
 
 
-async def agent_subagents(s: aiohttp.ClientSession, url: str, main_tokens: int, sub_tokens: int) -> list[dict[str, Any]]:
+async def agent_subagents(s: aiohttp.ClientSession, url: str, main_tokens: int, sub_tokens: int,
+                          rounds: int = 1) -> list[dict[str, Any]]:
+    """``rounds`` rounds one after the other, each of three agents at once with new documents (the
+    slots and llama-server's prompt cache still hold the rounds before)."""
     gate = asyncio.Semaphore(4)
-    return list(await asyncio.gather(*(_agent(s, url, a, main_tokens, sub_tokens, gate) for a in range(3))))
+    out: list[dict[str, Any]] = []
+    for r in range(rounds):
+        agents = await asyncio.gather(*(_agent(s, url, 3 * r + a, main_tokens, sub_tokens, gate) for a in range(3)))
+        out += [{**x, "round": r} for x in agents]
+    return out
 
 
 async def run_mode(a: argparse.Namespace, mode: str, redis_url: str) -> dict[str, Any]:
@@ -169,7 +177,7 @@ async def run_mode(a: argparse.Namespace, mode: str, redis_url: str) -> dict[str
             if "abort_reprompt" in a.scenarios:
                 out["abort_reprompt"] = await abort_reprompt(s, urls, cl.llama_url(0), a.prefix, a.reps, a.abort_after)
             if "agent_subagents" in a.scenarios:
-                out["agent_subagents"] = await agent_subagents(s, urls[1], a.main_tokens, a.sub_tokens)
+                out["agent_subagents"] = await agent_subagents(s, urls[1], a.main_tokens, a.sub_tokens, a.agent_rounds)
     return out
 
 
@@ -190,9 +198,11 @@ def summarize(results: dict[str, dict[str, Any]]) -> list[list[Any]]:
                                  percentile([x["reused_share"] for x in part], 50),
                                  percentile([max(0, x["prefix_tokens"] - x["reused_tokens"]) for x in part], 50)])
             else:
+                computed = percentile([x["finalize_computed"] for x in data], 50)
                 rows.append([load, name, mode, "finalize / last main step TTFT (p50)",
-                             percentile([x["finalize_ratio"] for x in data], 50),
-                             percentile([x["finalize_computed"] for x in data], 50)])
+                             percentile([x["finalize_ratio"] for x in data], 50), computed])
+                rows.append([load, name, mode, "finalize TTFT ms (p50)",
+                             percentile([x["finalize_ttft_ms"] for x in data], 50), computed])
     return rows
 
 
@@ -224,6 +234,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--abort-after", type=int, default=64)
     p.add_argument("--main-tokens", type=int, default=2000)
     p.add_argument("--sub-tokens", type=int, default=1500)
+    p.add_argument("--agent-rounds", type=int, default=1, help="agent_subagents: rounds of three agents, one after "
+                                                              "the other (more finalizes to take the median of)")
     p.add_argument("--no-load", action="store_true", help="quiet only (no run with a CPU load beside)")
     p.add_argument("--redis-url", help="use this Redis instead of an embedded Valkey (it gets FLUSHALLed!)")
     p.add_argument("--json", default=str(RESULTS_DIR / "neverworse.json"))
