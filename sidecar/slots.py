@@ -86,8 +86,11 @@ class Slot:
 
     def hot(self) -> tuple[np.ndarray, str]:
         """What the slot holds at least, and for which tenant: while its save runs, the prompt
-        it just answered (known before the save reads the slot), else ``tokens``."""
-        if self.saving and self.answered is not None and self.answered[0].size > self.tokens.size:
+        it just answered (known before the save reads the slot), else ``tokens``. While it
+        saves, ``tokens`` is what it held before that answer (the save sets them and ends
+        ``saving`` in one step), which the answer replaced past their common prefix, however
+        long it was."""
+        if self.saving and self.answered is not None:
             return self.answered
         return self.tokens, self.owner
 

@@ -134,6 +134,26 @@ async def test_a_slot_being_saved_is_hot_with_the_prompt_it_just_answered() -> N
     assert saving.hot()[0].size == 316  # once saved: what the slot table knows
 
 
+async def test_a_slot_saving_a_shorter_prompt_than_it_held_before_is_hot_with_that_prompt() -> None:
+    # Every slot held a longer conversation before; the answer that just ended ran on a shorter,
+    # unrelated prompt, which replaced the slot's tokens past their common prefix (none here).
+    table = SlotTable(2)
+    for slot in (0, 1):
+        table.set_tokens(slot, np.arange(1000 * (slot + 1), 1000 * (slot + 1) + 900, dtype=np.int32), owner="t")
+    prompt = np.arange(5000, 5300, dtype=np.int32)
+    answering = await table.acquire(prompt, owner="t")
+    table.begin_save(answering.slot, (prompt, "t"))
+    assert table.slots[answering.slot].hot()[0] is prompt  # not the 900 tokens it held before
+    # The same prompt again, at once: it waits for that slot rather than take the idle one.
+    again = asyncio.ensure_future(table.acquire(prompt, owner="t"))
+    await asyncio.sleep(0)
+    assert not again.done() and table.awaited(answering.slot)
+    table.skip_save(answering.slot, ())
+    table.end_save(answering)
+    lease = await asyncio.wait_for(again, 1)
+    assert (lease.slot, lease.cached_tokens) == (answering.slot, 300)
+
+
 async def test_more_requests_than_slots_queue_fairly_and_never_share() -> None:
     table = SlotTable(2)
     in_use: set[int] = set()
