@@ -214,7 +214,8 @@ def md_neverworse(data: dict[str, Any], md_table: Any) -> str:
             f"embedded Valkey; {st['reps']} reps; *loaded*: one process spinning on a core beside the nodes. "
             f"`repeat_at_once`: a chat of ~{st['prefix']} tokens sent again the moment its answer ends; "
             f"`abort_reprompt`: a stream left after {st['abort_after']} tokens, then the same prefix with a new "
-            f"question, on the same node and on the other; `agent_subagents`: three agents, each a "
+            f"question, on the same node and on the other; `agent_subagents`: "
+            f"{st.get('agent_rounds', 1)} round(s) of three agents, each a "
             f"~{st['main_tokens']}-token main thread in four steps, two ~{st['sub_tokens']}-token sub-agent windows, "
             f"then a short finalize on the main thread, at most four requests at once. Medians; "
             f"{data.get('minutes', '?')} minutes.\n\n")
