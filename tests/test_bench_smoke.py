@@ -191,7 +191,7 @@ def test_neverworse_rows_and_their_section() -> None:
                                                                               "repeat_computed": 3}],
             "abort_reprompt": [{"where": w, "reused_share": 0.99, "prefix_tokens": 1500, "reused_tokens": 1490}
                                for w in ("same node", "other node")],
-            "agent_subagents": [{"finalize_ratio": 0.1, "finalize_computed": 20}]}
+            "agent_subagents": [{"finalize_ratio": 0.1, "finalize_ttft_ms": 900.0, "finalize_computed": 20}]}
     rows = neverworse.summarize({"quiet/alone": runs, "loaded/kvtier-cache-ram-0": runs})
     assert ["quiet", "repeat_at_once", "alone", "repeat TTFT ms (p50)", 50.0, 2.0] in rows
     assert ["loaded", "abort_reprompt (other node)", "kvtier-cache-ram-0", "prefix reused (p50)", 0.99, 10] in rows
@@ -200,4 +200,6 @@ def test_neverworse_rows_and_their_section() -> None:
     table = [dict(zip(["load", "scenario", "mode", "figure", "value", "computed"], r, strict=True)) for r in rows]
     md = neverworse.md_neverworse({"settings": settings, "table": table, "minutes": 3.0}, report.md_table)
     assert "| quiet | agent_subagents | alone | finalize / last main step TTFT (p50) | 0.1 | 20.0 |" in md
+    assert "| quiet | agent_subagents | alone | finalize TTFT ms (p50) | 900 | 20.0 |" in md
+    assert "1 round(s) of three agents" in md  # a result file from before --agent-rounds
     assert "`-np 4 -c 16384 -t 2`" in md
