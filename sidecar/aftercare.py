@@ -66,7 +66,10 @@ class Aftercare:
         # re-prompt here waits for this slot rather than take a cold one, and other nodes may wait
         # for its save, as for any answer.
         cut = cut and plan.session_id is None
-        plan.lease.table.begin_save(plan.lease.slot, (plan.tokens, plan.salt) if ok or cut else None)
+        # A follow-up's prompt was never tokenized (``KVEngine.follow_up``): what its slot holds at
+        # least is not known before the save reads it, so no waiter is taken for its continuation.
+        known = (ok or cut) and not plan.follow_up
+        plan.lease.table.begin_save(plan.lease.slot, (plan.tokens, plan.salt) if known else None)
         answered = time.perf_counter()
         task = asyncio.get_running_loop().create_task(self._save_then_release(plan, ok, answer, answered, cut))
         self._pending.add(task)
@@ -98,8 +101,9 @@ class Aftercare:
             try:
                 stored = await self._save(plan, ok, answer, free, cut=cut)
             except Exception as exc:
-                # A failed save (a full slot dir, an unreachable tier) leaves the slot as it was:
-                # what the table knows of it (what was restored or saved last) is still a prefix of it.
+                # A failed save (a full slot dir, an unreachable tier) leaves the slot as the answer
+                # left it: what the table knew of it before may not be a prefix of that any more.
+                lease.table.save_failed(lease)
                 self.metrics.cache_errors.labels("save").inc()
                 log.warning("saving slot %d failed: %s", lease.slot, exc)
                 return

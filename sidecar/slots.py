@@ -171,7 +171,8 @@ class SlotRecords:
 
     def begin_save(self, slot: int, answered: tuple[np.ndarray, str] | None) -> None:
         """An answer ended in ``slot`` and its save begins: the slot is saving, and holds at least
-        ``answered`` (the prompt it answered and its tenant; None for a failed request)."""
+        ``answered`` (the prompt it answered and its tenant; None when that prompt is not known: a
+        failed request, or a follow-up sent without its tokens, which continues what the slot held)."""
         record = self.slots[slot]
         record.served = record.saving = True
         record.answered = answered
@@ -226,10 +227,19 @@ class SlotRecords:
         self.slots[slot].asked = asked
 
     def _holds_answered(self, slot: int) -> None:
-        """Record that ``slot`` holds the prompt its answer ran on (at least), for that prompt's tenant."""
+        """Record that ``slot`` holds the prompt its answer ran on (at least), for that prompt's
+        tenant; when that prompt is not known (a follow-up), what the table knew stays: the
+        conversation it continued, the same tenant's."""
         answered = self.slots[slot].answered
-        assert answered is not None  # an answer that is saved (or skipped) ran on a prompt
-        self.set_tokens(slot, answered[0], owner=answered[1])
+        if answered is not None:
+            self.set_tokens(slot, answered[0], owner=answered[1])
+
+    def save_failed(self, lease: Lease) -> None:
+        """The save after ``lease``'s answer failed before it read the slot (a full slot dir, a
+        llama-server error): the slot holds at least the prompt that answer ran on. What it held
+        before differs from that past their common prefix, and may be another tenant's."""
+        if not lease.released:  # else the save read the slot (and recorded it), or it was handed over
+            self._holds_answered(lease.slot)  # a failed request forgot its slot before the save
 
     def end_save(self, lease: Lease) -> None:
         """The save after an answer has read the slot (or will not read it): give the slot back for

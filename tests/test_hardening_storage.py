@@ -378,6 +378,16 @@ async def test_kept_restore_files_yield_to_saves(small_slot_dir: Path) -> None:
             assert save_errors() == 1
             held = node.engine.slots.tokens(slot)
             assert held.size >= known.size > 0 and np.array_equal(held[:known.size], known)
+            # One that fails after a shorter prompt, which shares only a start with what the slot
+            # held: the table holds that prompt now (what it knew before is no prefix of the slot).
+            other = small[:300] + " A different ending."
+            shorter = await post(node.url + "/completion", completion(other))
+            await node.engine.drain(60)
+            assert shorter.status == 200 and int(shorter.headers["X-KVTier-Slot"]) == slot
+            assert save_errors() == 2
+            asked = await post(llama.url + "/tokenize", {"content": other, "add_special": True})
+            assert np.array_equal(node.engine.slots.tokens(slot), np.asarray(asked.body["tokens"])), (
+                node.engine.slots.tokens(slot).size, len(asked.body["tokens"]))
     finally:
         llama.stop()
 

@@ -8,6 +8,7 @@ Real llama-servers (SmolLM2, two slots each), a real Valkey.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -74,3 +75,25 @@ async def test_a_repeat_finds_its_slot_when_every_slot_held_a_longer_conversatio
         assert again.body["timings"]["prompt_n"] <= 2, again.body["timings"]
         assert a.metric("kvtier_saves_skipped_total") == 1
         assert a.metric("kvtier_restore_seconds_count") == 0
+
+
+async def test_a_follow_ups_save_is_made_when_an_unrelated_request_waits_for_its_slot(
+        redis_srv: RedisProc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A follow-up (the same text with another end, sent to its slot without tokenizing) does not
+    # know its prompt's tokens: a request of the same tenant waiting for that slot may continue it
+    # or not, and its save is made (it was skipped for any waiter, and the slot recorded as empty).
+    monkeypatch.setattr(aftercare, "SAVE_DELAY_S", SAVE_DELAY_S)
+    async with node(tmp_path, redis_srv.url, "a", ("-np", "1")) as (_, a):
+        assert (await post(a.url + "/completion", text("What does shelf 7 hold?", 8))).status == 200
+        await a.engine.drain(30)
+        follow = asyncio.ensure_future(post(a.url + "/completion", text("What does shelf 8 hold?", 8)))
+        await asyncio.sleep(0.2)  # it has the one slot: the next request waits for it
+        unrelated = {"prompt": "Log 3. " + " ".join(f"Entry {i}: value {i * 3}." for i in range(60)),
+                     "n_predict": 4, "temperature": 0}
+        other = await post(a.url + "/completion", unrelated)
+        assert other.status == 200 and (await follow).status == 200
+        await a.engine.drain(30)
+        assert a.metric("kvtier_follow_ups_total") == 1
+        assert a.metric("kvtier_saves_skipped_total") == 0
+        assert a.metric("kvtier_save_seconds_count") == 3
+        assert a.engine.slots.tokens(0).size > 0

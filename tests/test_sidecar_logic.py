@@ -154,6 +154,32 @@ async def test_a_slot_saving_a_shorter_prompt_than_it_held_before_is_hot_with_th
     assert (lease.slot, lease.cached_tokens) == (answering.slot, 300)
 
 
+async def test_a_failed_save_leaves_the_slot_holding_the_prompt_its_answer_ran_on() -> None:
+    table = SlotTable(1)
+    table.set_tokens(0, np.arange(1000, 1900, dtype=np.int32), owner="a")  # another tenant's, longer
+    prompt = np.arange(5000, 5300, dtype=np.int32)
+    lease = await table.acquire(prompt, owner="b")
+    table.begin_save(0, (prompt, "b"))
+    table.save_failed(lease)  # before the save read the slot (a full slot dir)
+    table.end_save(lease)
+    assert table.slots[0].tokens.tolist() == prompt.tolist() and table.slots[0].owner == "b"
+    # Tenant a's old conversation is not counted as held (nor is b's prompt, for a).
+    assert (await table.acquire(np.arange(1000, 1900, dtype=np.int32), owner="a")).cached_tokens == 0
+    # A follow-up's prompt is not known (never tokenized): what the table knew stays, the
+    # conversation it continued, and no request waiting for the slot is taken for its continuation.
+    other = SlotTable(1)
+    other.set_tokens(0, prompt, owner="b")
+    follow_up = await other.acquire(prompt, owner="b")
+    other.begin_save(0, None)
+    unrelated = asyncio.ensure_future(other.acquire(np.arange(7000, 7100, dtype=np.int32), owner="b"))
+    await asyncio.sleep(0)
+    assert not unrelated.done() and not other.awaited(0)
+    other.save_failed(follow_up)
+    other.end_save(follow_up)
+    assert other.slots[0].tokens.tolist() == prompt.tolist() and other.slots[0].owner == "b"
+    (await asyncio.wait_for(unrelated, 1)).release()
+
+
 async def test_more_requests_than_slots_queue_fairly_and_never_share() -> None:
     table = SlotTable(2)
     in_use: set[int] = set()
