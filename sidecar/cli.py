@@ -24,6 +24,7 @@ commands:
 def cmd_serve(argv: Sequence[str]) -> int:
     from .app import effective_config, run
     from .config import load_settings
+    from .heap import reuse_freed_memory
     from .logs import setup_logging
 
     try:
@@ -34,6 +35,7 @@ def cmd_serve(argv: Sequence[str]) -> int:
         return 2
     setup_logging(settings.log_format)
     logging.getLogger("kvtier").info("effective config: %s", effective_config(settings))
+    reuse_freed_memory()
     run(settings)
     return 0
 
