@@ -22,7 +22,6 @@ how they read and write a sequence state; what they do with one is the same, and
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import time
@@ -46,7 +45,7 @@ from tiers.keys import (
 from tiers.pending import PendingMark, PendingSaves
 from tiers.sessions import Manifest, SessionError, SessionStore
 from tiers.store import Announce, FetchResult, LookupResult, StoreResult, TailHit, TieredStore
-from tiers.threads import in_thread
+from tiers.threads import in_background
 
 from .chunks import read_chunk_header
 from .chunksplit import chunks_of, first_cells, split_state
@@ -388,7 +387,7 @@ class LazyChunks:
 
     async def prepare(self, first: int) -> None:
         if first < chunks_of(self.state, self.chunk_tokens) and first not in self._cut:
-            await asyncio.to_thread(self._cut_from, first)
+            await in_background(self._cut_from, first)
 
     def _cut_from(self, first: int) -> None:
         split = split_state(self.state, self.chunk_tokens, first_chunk=first, room=self.room)
@@ -442,7 +441,7 @@ async def store_state(store: TieredStore, namespace: Namespace, state: SeqState,
         refs = [] if state.has_rest else [ref for i in lazy.cut for ref in prefix_refs(
             parents[i], tokens[i * C: (i + 1) * C], REF_CHUNK)]
         if (chain or state.has_rest) and tokens.size > start:
-            cut = await in_thread(split_state, state, C, first_chunk=len(chain), tail=True,
+            cut = await in_background(split_state, state, C, first_chunk=len(chain), tail=True,
                                   room=store.codec.head_room)
             tail = cut.framed_tail or cut.tail  # recurrent memory alone: one small tail, not framed
             assert tail is not None
@@ -473,7 +472,7 @@ async def save_session(sessions: SessionStore, namespace: Namespace, session_id:
         raise SessionError(f"this state cannot be split into chunks ({state.store_reason})")
     tokens = state.tokens.tokens
     # Cut off the event loop, each payload framed for the codec (as ``store_state`` does).
-    split = await in_thread(split_state, state, namespace.chunk_tokens, tail=True,
+    split = await in_background(split_state, state, namespace.chunk_tokens, tail=True,
                             room=sessions.store.codec.head_room)
     manifest = await sessions.save(
         namespace, session_id, tokens, split.framed if split.frames else lambda i: split.chunks[i],

@@ -22,6 +22,8 @@ commands:
 
 
 def cmd_serve(argv: Sequence[str]) -> int:
+    from tiers.threads import set_background_nice
+
     from .app import effective_config, run
     from .config import load_settings
     from .heap import reuse_freed_memory
@@ -36,6 +38,7 @@ def cmd_serve(argv: Sequence[str]) -> int:
     setup_logging(settings.log_format)
     logging.getLogger("kvtier").info("effective config: %s", effective_config(settings))
     reuse_freed_memory()
+    set_background_nice(settings.save_nice)  # process-wide, as the malloc setting: before any save
     run(settings)
     return 0
 

@@ -185,6 +185,9 @@ class Settings:
                                                   "last byte included; an answer still running then is cut off",
                                            _float)
     shutdown_timeout: float = _option(20.0, "seconds to drain requests and writes on SIGTERM", _float)
+    save_nice: int = _option(10, "how far below the sidecar's CPU priority the threads run that cut a save into "
+                                 "chunks and send them to Redis (0-19): llama-server's threads computing other "
+                                 "users' tokens take the cores first (0 = the sidecar's own priority)", _int)
     keep_restore_files: int = _option(1 << 30, "bytes of restore files (one per slot) kept in the slot dir and "
                                                "overwritten in place by the next restore: no new pages to allocate "
                                                "(0 = remove each after use)", _size)
@@ -313,6 +316,8 @@ def validate(s: Settings) -> None:
         raise ConfigError("slot_dir is required: the directory llama-server was given as --slot-save-path")
     if s.redis_url is not None:
         parse_redis_url(s.redis_url)  # the tier's own parser: one definition of what a Redis URL may be
+    if not 0 <= s.save_nice <= 19:
+        raise ConfigError(f"save_nice must be within 0-19, got {s.save_nice}")
     if s.cache_size <= 0:
         raise ConfigError("cache_size must be positive")
     if s.shared_dir is not None and s.shared_size <= 0:

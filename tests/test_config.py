@@ -67,6 +67,7 @@ SAMPLES: dict[str, tuple[Any, Any]] = {
     "forward_total_timeout": ("900", 900.0),
     "shutdown_timeout": ("3.5", 3.5),
     "keep_restore_files": ("0", 0),
+    "save_nice": ("0", 0),
 }
 NEEDS = {"auth_all": {"auth_token": "tok"}, "prewarm": {"redis_url": "redis://r/0"},
          "forward": {"redis_url": "redis://r/0", "chunk_key": "a-fleet-secret-16+"}}  # what validation asks

@@ -22,6 +22,7 @@ from .keys import (
 )
 from .presence import first_holders, longest_held
 from .reads import Promoter, Verified, VerifiedReader
+from .threads import in_background
 from .writebehind import DEFAULT_QUEUE_LIMIT, Announce, WriteBehind
 from .writethrough import WriteThrough
 
@@ -220,7 +221,15 @@ class TieredStore:
                                              n_tokens=namespace.chunk_tokens, flags=flags)
             return blobs[i]
 
-        prepare = getattr(payloads, "prepare", None)  # a source that cuts its payloads off the loop
+        cut = getattr(payloads, "prepare", None)  # a source that cuts its payloads off the loop
+
+        async def prepare(first: int) -> None:
+            """Cut and encode chunk ``first`` and those after it off the event loop (a save's
+            work: sums and MACs over hundreds of MiB at real KV sizes), before a tier asks."""
+            if cut is not None:
+                await cut(first)
+            await in_background(lambda: [blob(i) for i in range(first, len(keys))])
+
         written = await self._through.put_missing(keys, blob, prepare)
         self._writer.submit(keys, blob, announce=announce, prepare=prepare)  # encodes only what a background tier lacks
         return StoreResult(len(keys), len(written), sum(len(b) for b in blobs.values()), time.perf_counter() - t0)
@@ -248,8 +257,9 @@ class TieredStore:
         """Store the partial tail of ``tokens`` cells after chunk ``parent``; returns its key.
         ``announce`` as for ``store``."""
         h = tail_hash_after(parent, tokens)
-        blob = self.codec.encode(payload, chunk_hash=h, namespace_id=namespace.digest[:8], n_tokens=len(tokens),
-                                 flags=Flags.TAIL)
+        # Up to a chunk's size: encoded off the event loop, as the chunks are (``store``).
+        blob = await in_background(self.codec.encode, payload, chunk_hash=h, namespace_id=namespace.digest[:8],
+                                   n_tokens=len(tokens), flags=Flags.TAIL)
         key = tail_key(namespace, h)
         await self.put_raw(key, blob, announce=announce)
         return key

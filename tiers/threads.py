@@ -7,12 +7,20 @@ its mapped save file, whose pages on a tmpfs slot dir count against that dir's s
 a fetched or cut state holds hundreds of MiB at real KV sizes. ``in_thread`` returns the result
 through a box the caller empties, so the futures hold ``None`` and the result goes when the caller
 drops it.
+
+A save's work (cutting a saved state into chunks, sending them to Redis) runs ``in_background``:
+on threads below the process's CPU priority (``background_nice``), so that on a CPU-only node the
+llama-server threads computing other users' tokens take the cores first; a restore's work, which a
+request waits for, runs at the process's own.
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import os
+import threading
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
@@ -37,3 +45,44 @@ async def in_pool(pool: concurrent.futures.Executor | None, fn: Callable[_P, _T]
 
     await asyncio.get_running_loop().run_in_executor(pool, call)
     return box.pop()
+
+
+_background: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
+_nice = [0]
+
+
+def set_background_nice(nice: int) -> None:
+    """How far below the process's CPU priority background threads run (0-19; a process-wide
+    setting, made once at start, before the first background work: threads started earlier keep
+    theirs)."""
+    if not 0 <= nice <= 19:
+        raise ValueError(f"nice must be within 0-19, got {nice}")
+    _nice[0] = nice
+
+
+def background_nice() -> int:
+    return _nice[0]
+
+
+def lower_priority(nice: int) -> None:
+    """Run the calling thread ``nice`` steps below its priority now (a pool's initializer). Linux
+    sets the niceness of one thread by its id; elsewhere, or where it is refused, nothing changes."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    with contextlib.suppress(OSError):
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+
+
+def background_pool(name: str, workers: int) -> concurrent.futures.ThreadPoolExecutor:
+    """A pool of ``workers`` threads at the background priority, one per ``name``, made on first use."""
+    pool = _background.get(name)
+    if pool is None:
+        pool = _background[name] = concurrent.futures.ThreadPoolExecutor(
+            workers, thread_name_prefix=f"kvtier-{name}", initializer=lower_priority, initargs=(_nice[0],))
+    return pool
+
+
+async def in_background(fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+    """``fn(*args, **kwargs)`` on a background thread (a save's work), its result held by the caller alone."""
+    return await in_pool(background_pool("save", max(2, os.cpu_count() or 2)), fn, *args, **kwargs)
