@@ -14,7 +14,7 @@ from .threads import in_thread
 
 log = logging.getLogger("kvtier.store")
 
-# Values of at least this many bytes in all are encoded or checked on a worker thread, not the loop.
+# Values of at least this many bytes in all are checked on a worker thread, not the event loop.
 OFF_LOOP_BYTES = 4 << 20
 
 

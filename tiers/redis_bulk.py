@@ -30,7 +30,7 @@ import numpy as np
 import redis.exceptions as rex
 
 from .redis_clients import ClientOptions
-from .threads import background_nice, in_pool, lower_priority
+from .threads import background_executor, in_pool
 
 # Defaults, with units.
 DEFAULT_BULK_CONNECTIONS = 2  # sockets (and threads) per server: GET ran at 3.6 GB/s on 1, 5 on 2, 3.2 on 4
@@ -148,9 +148,7 @@ class BulkLane:
         self.options = options
         self.connections = connections
         self._pools = {"read": ThreadPoolExecutor(connections, thread_name_prefix="kvtier-bulk-read"),
-                       # writes are saves: below the process's priority (``threads.in_background``)
-                       "write": ThreadPoolExecutor(connections, thread_name_prefix="kvtier-bulk-write",
-                                                   initializer=lower_priority, initargs=(background_nice(),))}
+                       "write": background_executor(connections, "kvtier-bulk-write")}  # writes are saves
         self._idle: list[_Socket] = []
         self._lock = threading.Lock()
         self._tls = _tls_context(options) if options.target.tls else None

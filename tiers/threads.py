@@ -47,8 +47,8 @@ async def in_pool(pool: concurrent.futures.Executor | None, fn: Callable[_P, _T]
     return box.pop()
 
 
-_background: dict[str, concurrent.futures.ThreadPoolExecutor] = {}
-_nice = [0]
+_nice = [0]  # set once at start (``set_background_nice``)
+_save_pool: list[concurrent.futures.ThreadPoolExecutor] = []  # ``in_background``'s, made on first use
 
 
 def set_background_nice(nice: int) -> None:
@@ -60,11 +60,7 @@ def set_background_nice(nice: int) -> None:
     _nice[0] = nice
 
 
-def background_nice() -> int:
-    return _nice[0]
-
-
-def lower_priority(nice: int) -> None:
+def _lower_priority(nice: int) -> None:
     """Run the calling thread ``nice`` steps below its priority now (a pool's initializer). Linux
     sets the niceness of one thread by its id; elsewhere, or where it is refused, nothing changes."""
     if nice <= 0 or not hasattr(os, "setpriority"):
@@ -74,15 +70,14 @@ def lower_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
 
 
-def background_pool(name: str, workers: int) -> concurrent.futures.ThreadPoolExecutor:
-    """A pool of ``workers`` threads at the background priority, one per ``name``, made on first use."""
-    pool = _background.get(name)
-    if pool is None:
-        pool = _background[name] = concurrent.futures.ThreadPoolExecutor(
-            workers, thread_name_prefix=f"kvtier-{name}", initializer=lower_priority, initargs=(_nice[0],))
-    return pool
+def background_executor(workers: int, name: str) -> concurrent.futures.ThreadPoolExecutor:
+    """A pool of ``workers`` threads named ``name`` at the background priority (a save's work)."""
+    return concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=name, initializer=_lower_priority,
+                                                 initargs=(_nice[0],))
 
 
 async def in_background(fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
     """``fn(*args, **kwargs)`` on a background thread (a save's work), its result held by the caller alone."""
-    return await in_pool(background_pool("save", max(2, os.cpu_count() or 2)), fn, *args, **kwargs)
+    if not _save_pool:
+        _save_pool.append(background_executor(max(2, os.cpu_count() or 2), "kvtier-save"))
+    return await in_pool(_save_pool[0], fn, *args, **kwargs)
