@@ -38,9 +38,19 @@ class Sidecar:
         return float(value or 0.0)
 
 
+# How long a new sidecar may take to learn its llama-server before the test goes on anyway.
+READY_WAIT_S = 120.0
+
+
 @contextlib.asynccontextmanager
 async def run_sidecar(settings: Settings, *, advertise: bool = False) -> AsyncIterator[Sidecar]:
-    """``advertise``: its own URL as ``advertise_url`` (peers forward to it)."""
+    """``advertise``: its own URL as ``advertise_url`` (peers forward to it).
+
+    Yields once the sidecar has learned its llama-server (or failed to): its probe sends a few
+    dozen tokens, and two sidecars probing at once would have two ``-t 2`` llama-servers computing
+    on the test machine's 2 cores. ggml's threads spin at every barrier, so four of them on two
+    cores run a ``-ub 1`` prompt at ~3 s per token instead of ~20 ms: a later request times out.
+    """
     port = free_port()
     settings = replace(settings, listen=f"127.0.0.1:{port}")
     if advertise:
@@ -51,6 +61,8 @@ async def run_sidecar(settings: Settings, *, advertise: bool = False) -> AsyncIt
     site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()
     try:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(app[ENGINE].ensure_ready(), READY_WAIT_S)
         yield Sidecar(f"http://127.0.0.1:{port}", app, settings)
     finally:
         try:
