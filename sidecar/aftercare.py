@@ -53,6 +53,7 @@ class Aftercare:
         self.metrics = metrics
         self.session_slots = session_slots
         self._pending: set[asyncio.Task[None]] = set()
+        self._saving: set[asyncio.Task[Any] | None] = set()  # of those, the ones still saving (the gauge)
 
     def finish(self, plan: RequestPlan, *, ok: bool, answer: bytes | None, cut: bool = False) -> None:
         """Save the slot in the background and release it; the answer (its end, for streams) is
@@ -73,8 +74,17 @@ class Aftercare:
         answered = time.perf_counter()
         task = asyncio.get_running_loop().create_task(self._save_then_release(plan, ok, answer, answered, cut))
         self._pending.add(task)
-        self.metrics.pending_saves.set(len(self._pending))
-        task.add_done_callback(self._pending.discard)
+        self._saving.add(task)
+        self.metrics.pending_saves.set(len(self._saving))
+        task.add_done_callback(self._ended)
+
+    def _saved(self, task: asyncio.Task[Any] | None) -> None:
+        self._saving.discard(task)
+        self.metrics.pending_saves.set(len(self._saving))
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        self._pending.discard(task)
+        self._saved(task)  # also one cancelled before its save began
 
     async def drain(self, timeout: float) -> bool:
         """Wait for the saves in flight and the marked stores the saver runs in the background
@@ -109,7 +119,9 @@ class Aftercare:
                 return
             finally:
                 free()
-                self.metrics.pending_saves.set(max(len(self._pending) - 1, 0))
+                # Not the pending set's size less one: another save may still be in it, past this
+                # point, waiting for Redis (the gauge stayed at 1 after both had ended).
+                self._saved(asyncio.current_task())
                 if plan.fetched is not None:  # after the slot is free: no one waits on this copy
                     fetched, plan.fetched = plan.fetched, None
                     await self.store.promote(fetched)

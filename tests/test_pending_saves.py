@@ -186,3 +186,16 @@ async def test_a_save_expected_later_than_the_bound_is_not_waited_for(
         await _answer_under_mark(sc, redis_srv, 32, ready_at=time.time())
         assert sc.metric("kvtier_save_waits_total", outcome="timeout") == 1
         assert sc.metric("kvtier_save_waits_total", outcome="skipped") == 1
+
+
+async def test_the_pending_saves_gauge_is_zero_once_concurrent_saves_end(node_b: tuple[LlamaServer, Sidecar]) -> None:
+    """Two answers ending together on both slots: their saves overlap (one waits for Redis while the
+    other still saves), and the gauge counts each save once, back to 0 when both are done."""
+    _, b = node_b
+    for rnd in range(3):
+        answers = await asyncio.gather(*(post(b.url + "/v1/chat/completions", chat([], f"Round {rnd}: room {k}?"))
+                                         for k in (11, 12)))
+        assert [a.status for a in answers] == [200, 200]
+        assert await b.engine.drain(30) and await b.store.flush(30)
+        assert b.metric("kvtier_pending_saves") == 0, rnd
+    assert b.metric("kvtier_save_seconds_count") >= 6
