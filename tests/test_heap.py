@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -29,8 +30,33 @@ print(json.dumps({"changed": changed, "first": first, "second": second}))
 """
 
 
-def faults(mode: str, env: dict[str, str] | None = None) -> dict[str, int]:
-    out = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, timeout=60,
+# The same across threads: four threads, each made before any fills, fill one buffer after the
+# other (a cut on one save thread, the next on another); the page faults of each thread's fill.
+THREADS_CHILD = """
+import json, resource, sys, threading
+import numpy as np
+from sidecar.heap import reuse_freed_memory
+changed = reuse_freed_memory() if sys.argv[1] == "reuse" else False
+fills, lock, ready = [], threading.Lock(), threading.Barrier(4)
+def work():
+    ready.wait()
+    with lock:
+        before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+        buf = np.empty(33 << 20, np.uint8)
+        buf[:] = 1
+        fills.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+        del buf
+threads = [threading.Thread(target=work) for _ in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+print(json.dumps({"changed": changed, "first": fills[0], "later": fills[1:]}))
+"""
+
+
+def faults(mode: str, env: dict[str, str] | None = None, child: str = CHILD) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-c", child, mode], capture_output=True, text=True, timeout=60,
                          env={**os.environ, **(env or {})}, check=True)
     return json.loads(out.stdout)  # type: ignore[no-any-return]
 
@@ -44,6 +70,17 @@ def test_a_freed_chunk_buffer_is_reused_without_fresh_page_faults() -> None:
     # with it, the freed buffer's pages are taken back as they are.
     assert plain["second"] > plain["first"] / 4, plain
     assert reused["second"] < reused["first"] / 10, reused
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_a_buffer_freed_on_one_thread_is_reused_by_another() -> None:
+    plain = faults("plain", child=THREADS_CHILD)
+    reused = faults("reuse", child=THREADS_CHILD)
+    assert reused["changed"]
+    # Without one shared arena each thread's fill is fresh pages again; with it, the buffer the
+    # previous thread freed is taken back.
+    assert min(plain["later"]) > plain["first"] / 4, plain
+    assert max(reused["later"]) < reused["first"] / 10, reused
 
 
 def test_an_operators_own_malloc_settings_are_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
