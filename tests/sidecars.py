@@ -61,7 +61,8 @@ async def run_sidecar(settings: Settings, *, advertise: bool = False) -> AsyncIt
     site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()
     try:
-        with contextlib.suppress(TimeoutError):
+        # Not ready (no llama-server, a test's broken one) is the test's own business: it goes on.
+        with contextlib.suppress(Exception):
             await asyncio.wait_for(app[ENGINE].ensure_ready(), READY_WAIT_S)
         yield Sidecar(f"http://127.0.0.1:{port}", app, settings)
     finally:
