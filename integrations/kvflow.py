@@ -442,7 +442,7 @@ async def store_state(store: TieredStore, namespace: Namespace, state: SeqState,
             parents[i], tokens[i * C: (i + 1) * C], REF_CHUNK)]
         if (chain or state.has_rest) and tokens.size > start:
             cut = await in_background(split_state, state, C, first_chunk=len(chain), tail=True,
-                                  room=store.codec.head_room)
+                                      room=store.codec.head_room)
             tail = cut.framed_tail or cut.tail  # recurrent memory alone: one small tail, not framed
             assert tail is not None
             key = await store.store_tail(namespace, parents[-1], tokens[start:], tail, announce=announce)
@@ -473,7 +473,7 @@ async def save_session(sessions: SessionStore, namespace: Namespace, session_id:
     tokens = state.tokens.tokens
     # Cut off the event loop, each payload framed for the codec (as ``store_state`` does).
     split = await in_background(split_state, state, namespace.chunk_tokens, tail=True,
-                            room=sessions.store.codec.head_room)
+                                room=sessions.store.codec.head_room)
     manifest = await sessions.save(
         namespace, session_id, tokens, split.framed if split.frames else lambda i: split.chunks[i],
         split.framed_tail or split.tail,

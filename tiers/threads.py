@@ -9,7 +9,7 @@ through a box the caller empties, so the futures hold ``None`` and the result go
 drops it.
 
 A save's work (cutting a saved state into chunks, sending them to Redis) runs ``in_background``:
-on threads below the process's CPU priority (``background_nice``), so that on a CPU-only node the
+on threads below the process's CPU priority (``set_background_nice``), so that on a CPU-only node the
 llama-server threads computing other users' tokens take the cores first; a restore's work, which a
 request waits for, runs at the process's own.
 """
