@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from bench import hop, neverworse, report
+from bench import hop, neverworse, overhead, report, stages
 from bench.__main__ import BENCHMARKS
 from bench.__main__ import main as bench_main
 from bench.common import Reply, parse_metrics, percentile, summary
@@ -203,3 +203,21 @@ def test_neverworse_rows_and_their_section() -> None:
     assert "| quiet | agent_subagents | alone | finalize TTFT ms (p50) | 900 | 20.0 |" in md
     assert "1 round(s) of three agents" in md  # a result file from before --agent-rounds
     assert "`-np 4 -c 16384 -t 2`" in md
+
+
+def test_stage_medians_and_the_overhead_verdict() -> None:
+    records = [  # a full path and a follow-up (no prompt, no prepare), ms since the bytes arrived
+        {"in": 0, "handler": 0.3, "parse": 0.5, "follow_up": 0.55, "prompt": 0.7, "prepare": 0.9, "sent": 1.0,
+         "head": 60.0, "answer": 60.3, "save": 60.35, "written": 60.6},
+        {"in": 0, "handler": 0.2, "parse": 0.4, "follow_up": 0.5, "sent": 0.6,
+         "head": 50.0, "answer": 50.2, "save": 50.25, "written": 50.4},
+    ]
+    m = stages.medians(records)
+    assert m["prompt tokens"] == 0.15  # the follow-up has none: the full path's alone
+    assert m["request written to llama-server"] == 0.1  # from prepare, or from the follow-up check
+    assert m["before forwarding (total)"] == 0.8
+    assert m["after the answer (total)"] == 0.5
+    assert stages.medians([])["parse (body, shape, JSON, ready)"] is None
+    kind = {"added_outside_compute_ms_p50": 1.2}
+    assert overhead._verdict({**kind, "target_ms": 1.0}) == "NOT met (< 1 ms)"
+    assert overhead._verdict(kind) == "met (< 2 ms)"  # a run from before the target was 1 ms
