@@ -206,7 +206,7 @@ async def prompt_of(request: web.Request, ask: Ask, caller: Caller) -> Prompt:
         try:
             validate_session_id(caller.session_id)
         except ValueError as exc:
-            raise Refused(json_error(400, f"{h.SESSION_ID}: {exc}"), outcome=None) from None
+            raise Refused(json_error(400, f"{h.SESSION_ID}: {exc}")) from None
     return prompt
 
 

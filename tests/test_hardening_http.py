@@ -117,6 +117,11 @@ async def test_tenant_guess_in_a_body_kvtier_cannot_read_reuses_nothing(node: No
             ans = await post(node.sc.url + path, None, raw=raw, headers=b)
             assert ans.status == 400 and ans.body["error"]["code"] == 400, (path, raw[:40], ans.text[:200])
     assert node.sc.metric("kvtier_requests_total", path="completion", outcome="invalid") >= 7
+    # A malformed X-Session-Id: refused before a slot is taken, and counted like any invalid request.
+    invalid = node.sc.metric("kvtier_requests_total", path="completion", outcome="invalid")
+    ans = await post(url, guess, headers={**b, **BEARER, "X-Session-Id": "../escape"})
+    assert ans.status == 400 and "X-Session-Id" in ans.body["error"]["message"], ans.text
+    assert node.sc.metric("kvtier_requests_total", path="completion", outcome="invalid") == invalid + 1
     # A tenant that names itself to an endpoint outside the KV flow is refused, not sent to A's slot.
     infill = await post(node.sc.url + "/infill", {"input_prefix": GUESS, "n_predict": 1}, headers=b)
     assert infill.status == 403 and infill.body["error"]["type"] == "forbidden"
