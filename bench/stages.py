@@ -92,7 +92,7 @@ def _install(out: str) -> None:
         return wrapped
 
     completion.parse = after_async("parse", completion.parse, first="handler")  # type: ignore[assignment]
-    completion.follow_up = after("follow_up", completion.follow_up)  # type: ignore[assignment]
+    completion.follow_up = after_async("follow_up", completion.follow_up)  # type: ignore[assignment]
     completion.prompt_of = after_async("prompt", completion.prompt_of)  # type: ignore[assignment]
     completion.prepare = after_async("prepare", completion.prepare)  # type: ignore[assignment]
     completion.answer = after_async("answer", completion.answer)  # type: ignore[assignment]

@@ -75,7 +75,8 @@ class Aftercare:
         # A follow-up's prompt was never tokenized (``KVEngine.follow_up``): what its slot holds at
         # least is not known before the save reads it, so no waiter is taken for its continuation.
         known = (ok or cut) and not plan.follow_up
-        plan.lease.table.begin_save(plan.lease.slot, (plan.tokens, plan.salt) if known else None)
+        plan.lease.table.begin_save(plan.lease.slot, (plan.tokens, plan.salt) if known else None,
+                                    plan.asked if ok and known else ())
         answered = time.perf_counter()
         task = asyncio.get_running_loop().create_task(self._save_then_release(plan, ok, answer, answered, cut))
         self._pending.add(task)

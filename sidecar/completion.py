@@ -121,7 +121,7 @@ async def handle_completion(request: web.Request) -> web.StreamResponse:
             ask = await parse(request, kind)
             caller = identify(request, ask)
             asked = asked_of(kind, ask.body)
-            plan = follow_up(request, ask, caller, asked)
+            plan = await follow_up(request, ask, caller, asked)
             if plan is None:
                 prompt = await prompt_of(request, ask, caller)
                 early = await route(request, ask, caller, prompt)
@@ -183,13 +183,13 @@ def identify(request: web.Request, ask: Ask) -> Caller:
     return caller
 
 
-def follow_up(request: web.Request, ask: Ask, caller: Caller, asked: Asked | None) -> RequestPlan | None:
-    """The plan of a request that continues what an idle slot answered last (no tokens, no
-    lookup), or None. A session's request always takes the full path (its save needs tokens)."""
+async def follow_up(request: web.Request, ask: Ask, caller: Caller, asked: Asked | None) -> RequestPlan | None:
+    """The plan of a request that continues what a slot answered last (no tokens, no lookup), or
+    None. A session's request always takes the full path (its save needs tokens)."""
     if asked is None or caller.session_id is not None:
         return None
-    return request.app[ENGINE].follow_up(ask.body, asked, want_slot=caller.want, salt=caller.salt,
-                                         since=ask.started)
+    return await request.app[ENGINE].follow_up(ask.body, asked, want_slot=caller.want, salt=caller.salt,
+                                               since=ask.started)
 
 
 async def prompt_of(request: web.Request, ask: Ask, caller: Caller) -> Prompt:

@@ -101,28 +101,31 @@ class KVEngine:
 
     # -- before the request -----------------------------------------------------------------------
 
-    def follow_up(self, body: Mapping[str, Any], asked: Asked, *, want_slot: int | None = None, salt: str = "",
-                  since: float | None = None) -> RequestPlan | None:
-        """A plan for a request that continues what an idle slot answered last, or None.
+    async def follow_up(self, body: Mapping[str, Any], asked: Asked, *, want_slot: int | None = None,
+                        salt: str = "", since: float | None = None) -> RequestPlan | None:
+        """A plan for a request that continues what a slot answered last, or None.
 
         Such a request (``slots.continues``: a chat with another last message, or with one answer
-        and one new message; a text prompt with another end) needs nothing from the tiers: they
-        hold no more of it than the slot, unless this very request already ran on another node, and
-        then only its short new end (at most ``FOLLOW_UP_MAX_CHARS`` characters, cheap to compute).
-        So it goes to that slot as it is, without rendering, tokenizing or a lookup.
+        and one new message; a text prompt with another end or the same) needs nothing from the
+        tiers: they hold no more of it than the slot, unless this very request already ran on
+        another node, and then only its short new end (at most ``FOLLOW_UP_MAX_CHARS`` characters,
+        cheap to compute). So it goes to that slot as it is, without rendering, tokenizing or a
+        lookup. When that slot's save has not read it yet (the request came the moment the answer
+        ended), it waits for the slot, whose save it then makes needless (``SlotTable.await_follow_up``).
         """
         target, table = self.watcher.target, self.watcher.slots
         if table is None or target is None:
             return None
         if isinstance(asked, tuple) and len(body["messages"][-1]["content"]) > FOLLOW_UP_MAX_CHARS:
             return None
-        lease = table.follow_up(asked, want=want_slot, owner=salt)
+        lease = table.follow_up(asked, want=want_slot, owner=salt) \
+            or await table.await_follow_up(asked, want=want_slot, owner=salt)
         if lease is None:
             return None
         plan = RequestPlan(NO_TOKENS, lease, target.namespace_for(salt), salt, asked=asked, follow_up=True,
                            generation=self.watcher.generation, sharing=table.computing - 1)
         self._launched(table, lease.slot, None)
-        plan.overhead_ms = (time.perf_counter() - since) * 1000 if since is not None else 0.0
+        plan.overhead_ms = (time.perf_counter() - since - lease.waited_s) * 1000 if since is not None else 0.0
         self.metrics.overhead_seconds.observe(plan.overhead_ms / 1000)
         self.metrics.follow_ups.inc()
         return plan

@@ -75,6 +75,7 @@ class Slot:
     # While saving: the prompt that answer ran on and its tenant (the slot holds at least that;
     # ``tokens`` and ``owner`` say so once the save has read the slot).
     answered: tuple[np.ndarray, str] | None = None
+    answered_asked: Asked = ()  # while saving: what that answered request asked (its follow-ups')
     # What it holds is not known (a failed or cancelled request, a save that failed): llama-server
     # may still hold the owner's KV, so another tenant's request erases it before use.
     unknown: bool = False
@@ -169,13 +170,25 @@ class SlotRecords:
         self.set_tokens(slot, np.zeros(0, np.int32))
         self.slots[slot].unknown = True
 
-    def begin_save(self, slot: int, answered: tuple[np.ndarray, str] | None) -> None:
+    def begin_save(self, slot: int, answered: tuple[np.ndarray, str] | None, asked: Asked = ()) -> None:
         """An answer ended in ``slot`` and its save begins: the slot is saving, and holds at least
         ``answered`` (the prompt it answered and its tenant; None when that prompt is not known: a
-        failed request, or a follow-up sent without its tokens, which continues what the slot held)."""
+        failed request, or a follow-up sent without its tokens, which continues what the slot held).
+        ``asked``: what that request asked, when it ended well (``pending_follow_up``)."""
         record = self.slots[slot]
         record.served = record.saving = True
         record.answered = answered
+        record.answered_asked = asked if answered is not None else ()
+
+    def pending_follow_up(self, asked: Asked, *, want: int | None = None, owner: str = "") -> tuple[int, np.ndarray] | None:
+        """A slot whose save after an answer has not read it yet, and whose answered request ``asked``
+        repeats or continues (``continues``, same tenant): its id and the prompt it answered. Such
+        a request may wait for that slot as a follow-up (``KVEngine.follow_up``), untokenized."""
+        for s in self.slots:
+            if (s.saving and s.answered is not None and s.answered[1] == owner and (want is None or s.id == want)
+                    and s.answered_asked and continues(s.answered_asked, asked)):
+                return s.id, s.answered[0]
+        return None
 
     def awaited(self, slot: int) -> bool:
         """Whether a request of the same tenant waits for ``slot`` while its save runs, repeating or
@@ -248,7 +261,7 @@ class SlotRecords:
             return
         record = self.slots[lease.slot]
         record.saving = False
-        record.answered = None
+        record.answered, record.answered_asked = None, ()
         lease.release()
 
     def record_saved(self, slot: int, tokens: np.ndarray, owner: str, grant: int | None = None) -> SavedSlot:
@@ -375,6 +388,24 @@ class SlotTable(SlotRecords):
                 self._grant(s)
                 return Lease(self, s.id, 0)
         return None
+
+    async def await_follow_up(self, asked: Asked, *, want: int | None = None, owner: str = "") -> Lease | None:
+        """For a request that repeats or continues an answer whose save has not read its slot yet
+        (``pending_follow_up``): that slot, once the save has read it, or skipped it since this
+        request waits (``awaited``), as a follow-up's lease (``cached_tokens`` 0, as ``follow_up``).
+        None when there is no such slot, or it no longer holds what was asked (its save failed, or
+        it went to another request): the request then takes the full path."""
+        pending = self.pending_follow_up(asked, want=want, owner=owner)
+        if pending is None:
+            return None
+        slot, answered = pending
+        lease = await self.acquire(answered, want=slot, owner=owner)
+        held = self.slots[slot].asked
+        if lease.foreign or not held or not continues(held, asked):
+            lease.release()
+            return None
+        lease.cached_tokens = 0
+        return lease
 
     def try_acquire(self, slot: int) -> Lease | None:
         """Take a specific idle slot without waiting (None when busy)."""

@@ -44,6 +44,8 @@ async def test_a_prompt_sent_again_at_once_is_served_from_its_slot_without_waiti
         # It ended the pause before the first answer's save, which was not made: llama-server never
         # stopped for it, and the repeat did not wait for it (bench neverworse times that).
         assert a.metric("kvtier_saves_skipped_total") == 1
+        # It waited for the slot as a follow-up: untokenized, as llama-server alone reads no more.
+        assert a.metric("kvtier_follow_ups_total") == 1
 
         # The repeat's own save stores what the slot holds: another node restores the prefix.
         await a.engine.drain(30)

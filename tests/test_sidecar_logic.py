@@ -154,6 +154,39 @@ async def test_a_slot_saving_a_shorter_prompt_than_it_held_before_is_hot_with_th
     assert (lease.slot, lease.cached_tokens) == (answering.slot, 300)
 
 
+async def test_a_repeat_waits_untokenized_for_the_slot_whose_save_has_not_read_it() -> None:
+    table = SlotTable(2)
+    prompt = np.arange(5000, 5300, dtype=np.int32)
+    asked = "The records. " + "Shelf 7 holds the ledgers. " * 40 + "\nQuestion: what does shelf 7 hold?\nAnswer:"
+    answering = await table.acquire(prompt, owner="t")
+    table.begin_save(answering.slot, (prompt, "t"), asked)
+    pending = table.pending_follow_up(asked, owner="t")
+    assert pending is not None and pending[0] == answering.slot and pending[1] is prompt
+    assert table.pending_follow_up(asked, owner="other") is None  # another tenant's answer
+    assert table.pending_follow_up("Another record. " * 60, owner="t") is None
+    assert table.follow_up(asked, owner="t") is None  # the slot is busy: only a waiter gets it
+    again = asyncio.ensure_future(table.await_follow_up(asked, owner="t"))
+    await asyncio.sleep(0)
+    assert not again.done() and table.awaited(answering.slot)  # the save is skipped for it
+    table.skip_save(answering.slot, asked)
+    table.end_save(answering)
+    lease = await asyncio.wait_for(again, 1)
+    assert lease is not None and (lease.slot, lease.cached_tokens) == (answering.slot, 0)
+    lease.release()
+    # Handed over to another request meanwhile (what it asked forgotten): the full path instead.
+    answering = await table.acquire(prompt, owner="t", want=lease.slot)
+    table.begin_save(answering.slot, (prompt, "t"), asked)
+    again = asyncio.ensure_future(table.await_follow_up(asked, owner="t"))
+    await asyncio.sleep(0)
+    table.hand_over(answering)
+    assert await asyncio.wait_for(again, 1) is None
+    assert not table.slots[answering.slot].busy  # given back, for the full path to take
+    # An answer whose request failed records nothing to follow.
+    failed = await table.acquire(prompt, owner="t")
+    table.begin_save(failed.slot, None, asked)
+    assert table.pending_follow_up(asked, owner="t") is None
+
+
 async def test_a_failed_save_leaves_the_slot_holding_the_prompt_its_answer_ran_on() -> None:
     table = SlotTable(1)
     table.set_tokens(0, np.arange(1000, 1900, dtype=np.int32), owner="a")  # another tenant's, longer
