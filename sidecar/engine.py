@@ -110,8 +110,9 @@ class KVEngine:
         tiers: they hold no more of it than the slot, unless this very request already ran on
         another node, and then only its short new end (at most ``FOLLOW_UP_MAX_CHARS`` characters,
         cheap to compute). So it goes to that slot as it is, without rendering, tokenizing or a
-        lookup. When that slot's save has not read it yet (the request came the moment the answer
-        ended), it waits for the slot, whose save it then makes needless (``SlotTable.await_follow_up``).
+        lookup. The same request again, while that slot's save has not read it yet (sent the moment
+        the answer ended), waits for the slot, whose save it then makes needless
+        (``SlotTable.await_follow_up``).
         """
         target, table = self.watcher.target, self.watcher.slots
         if table is None or target is None:

@@ -181,12 +181,14 @@ class SlotRecords:
         record.answered_asked = asked if answered is not None else ()
 
     def pending_follow_up(self, asked: Asked, *, want: int | None = None, owner: str = "") -> tuple[int, np.ndarray] | None:
-        """A slot whose save after an answer has not read it yet, and whose answered request ``asked``
-        repeats or continues (``continues``, same tenant): its id and the prompt it answered. Such
-        a request may wait for that slot as a follow-up (``KVEngine.follow_up``), untokenized."""
+        """A slot whose save after an answer has not read it yet, and whose answered request
+        ``asked`` repeats exactly (same tenant): its id and the prompt it answered. Such a request
+        may wait for that slot as a follow-up (``KVEngine.follow_up``), untokenized: its tokens are
+        the answered prompt's, so its own save stores all the skipped one would have (``awaited``).
+        A request that continues the answer is tokenized first: that is only known of its tokens."""
         for s in self.slots:
             if (s.saving and s.answered is not None and s.answered[1] == owner and (want is None or s.id == want)
-                    and s.answered_asked and continues(s.answered_asked, asked)):
+                    and s.answered_asked and s.answered_asked == asked):
                 return s.id, s.answered[0]
         return None
 
@@ -228,9 +230,12 @@ class SlotRecords:
         """The save after ``lease``'s answer is sent but not done (it waits in llama-server's queue
         behind other slots' batches) and a request waits for the slot: the slot goes to it now.
         llama-server runs its queued tasks in order, so that save still reads what the answer left
-        before the next request's task starts. The slot holds at least the prompt it answered; the
-        save records nothing when it ends (``record_saved``)."""
+        before the next request's task starts. The slot holds at least the prompt it answered, and
+        the request it answered asked what it asked (its follow-ups may go there, as after
+        ``skip_save``); the save records nothing when it ends (``record_saved``)."""
+        asked = self.slots[lease.slot].answered_asked
         self._holds_answered(lease.slot)
+        self.slots[lease.slot].asked = asked
         self.end_save(lease)
 
     def skip_save(self, slot: int, asked: Asked) -> None:
@@ -390,18 +395,17 @@ class SlotTable(SlotRecords):
         return None
 
     async def await_follow_up(self, asked: Asked, *, want: int | None = None, owner: str = "") -> Lease | None:
-        """For a request that repeats or continues an answer whose save has not read its slot yet
+        """For a request that repeats an answer whose save has not read its slot yet
         (``pending_follow_up``): that slot, once the save has read it, or skipped it since this
         request waits (``awaited``), as a follow-up's lease (``cached_tokens`` 0, as ``follow_up``).
-        None when there is no such slot, or it no longer holds what was asked (its save failed, or
-        it went to another request): the request then takes the full path."""
+        None when there is no such slot, or it no longer holds what was asked (its save failed):
+        the request then takes the full path."""
         pending = self.pending_follow_up(asked, want=want, owner=owner)
         if pending is None:
             return None
         slot, answered = pending
         lease = await self.acquire(answered, want=slot, owner=owner)
-        held = self.slots[slot].asked
-        if lease.foreign or not held or not continues(held, asked):
+        if lease.foreign or self.slots[slot].asked != asked:
             lease.release()
             return None
         lease.cached_tokens = 0

@@ -164,6 +164,9 @@ async def test_a_repeat_waits_untokenized_for_the_slot_whose_save_has_not_read_i
     assert pending is not None and pending[0] == answering.slot and pending[1] is prompt
     assert table.pending_follow_up(asked, owner="other") is None  # another tenant's answer
     assert table.pending_follow_up("Another record. " * 60, owner="t") is None
+    # A continuation (another end): tokenized first, since only its tokens tell whether it holds
+    # all the answered prompt (the save is skipped for it only then).
+    assert table.pending_follow_up(asked[:-40] + " What does shelf 9 hold?\nAnswer:", owner="t") is None
     assert table.follow_up(asked, owner="t") is None  # the slot is busy: only a waiter gets it
     again = asyncio.ensure_future(table.await_follow_up(asked, owner="t"))
     await asyncio.sleep(0)
@@ -173,12 +176,22 @@ async def test_a_repeat_waits_untokenized_for_the_slot_whose_save_has_not_read_i
     lease = await asyncio.wait_for(again, 1)
     assert lease is not None and (lease.slot, lease.cached_tokens) == (answering.slot, 0)
     lease.release()
-    # Handed over to another request meanwhile (what it asked forgotten): the full path instead.
+    # Handed over while its save waits in llama-server's queue: the follow-up goes there all the same.
     answering = await table.acquire(prompt, owner="t", want=lease.slot)
     table.begin_save(answering.slot, (prompt, "t"), asked)
     again = asyncio.ensure_future(table.await_follow_up(asked, owner="t"))
     await asyncio.sleep(0)
     table.hand_over(answering)
+    lease = await asyncio.wait_for(again, 1)
+    assert lease is not None and lease.slot == answering.slot
+    lease.release()
+    # A save that failed before it read the slot (what was asked is forgotten): the full path instead.
+    answering = await table.acquire(prompt, owner="t", want=lease.slot)
+    table.begin_save(answering.slot, (prompt, "t"), asked)
+    again = asyncio.ensure_future(table.await_follow_up(asked, owner="t"))
+    await asyncio.sleep(0)
+    table.save_failed(answering)
+    table.end_save(answering)
     assert await asyncio.wait_for(again, 1) is None
     assert not table.slots[answering.slot].busy  # given back, for the full path to take
     # An answer whose request failed records nothing to follow.
