@@ -19,7 +19,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,8 +41,10 @@ STAGES = [  # (label, from stamp, to stamp); "in" is the request's bytes reachin
 
 
 def hook_env(out: Path) -> dict[str, str]:
-    """Environment for a sidecar process that records its stages to ``out``."""
-    hook = Path(tempfile.mkdtemp(prefix="kvtier-stages-"))
+    """Environment for a sidecar process that records its stages to ``out`` (the hook is written
+    beside it, and goes with its folder)."""
+    hook = out.parent / "stages-hook"
+    hook.mkdir(exist_ok=True)
     (hook / "sitecustomize.py").write_text(
         "import os, sys\nsys.path.insert(0, os.getcwd())\nfrom bench.stages import install\ninstall()\n")
     path = os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH", "")) if p)
