@@ -19,7 +19,7 @@ from sidecar.http.relay import Relay
 from sidecar.metrics import Metrics
 from sidecar.prompts import chat_digests
 from sidecar.proxy import upstream_body
-from sidecar.slots import FOLLOW_UP_MAX_CHARS, SlotTable, continues
+from sidecar.slots import FOLLOW_UP_MAX_CHARS, Lease, SlotTable, continues
 from tiers.errors import ConfigError
 from tiers.keys import common_prefix
 from tiers.redis_urls import redacted_url
@@ -176,20 +176,23 @@ async def test_a_repeat_waits_untokenized_for_the_slot_whose_save_has_not_read_i
     lease = await asyncio.wait_for(again, 1)
     assert lease is not None and (lease.slot, lease.cached_tokens) == (answering.slot, 0)
     lease.release()
+
+    async def repeat_waiting(slot: int) -> tuple[Lease, asyncio.Future[Lease | None]]:
+        """An answer on ``slot`` ends, its save begins, and the same request waits for the slot."""
+        answering = await table.acquire(prompt, owner="t", want=slot)
+        table.begin_save(answering.slot, (prompt, "t"), asked)
+        again = asyncio.ensure_future(table.await_follow_up(asked, owner="t"))
+        await asyncio.sleep(0)
+        return answering, again
+
     # Handed over while its save waits in llama-server's queue: the follow-up goes there all the same.
-    answering = await table.acquire(prompt, owner="t", want=lease.slot)
-    table.begin_save(answering.slot, (prompt, "t"), asked)
-    again = asyncio.ensure_future(table.await_follow_up(asked, owner="t"))
-    await asyncio.sleep(0)
+    answering, again = await repeat_waiting(lease.slot)
     table.hand_over(answering)
     lease = await asyncio.wait_for(again, 1)
     assert lease is not None and lease.slot == answering.slot
     lease.release()
     # A save that failed before it read the slot (what was asked is forgotten): the full path instead.
-    answering = await table.acquire(prompt, owner="t", want=lease.slot)
-    table.begin_save(answering.slot, (prompt, "t"), asked)
-    again = asyncio.ensure_future(table.await_follow_up(asked, owner="t"))
-    await asyncio.sleep(0)
+    answering, again = await repeat_waiting(lease.slot)
     table.save_failed(answering)
     table.end_save(answering)
     assert await asyncio.wait_for(again, 1) is None
