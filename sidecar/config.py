@@ -189,7 +189,8 @@ class Settings:
                                  "chunks and send them to Redis (0-19): llama-server's threads computing other "
                                  "users' tokens take the cores first (0 = the sidecar's own priority)", _int)
     keep_restore_files: int = _option(1 << 30, "bytes of restore files (one per slot) kept in the slot dir and "
-                                               "overwritten in place by the next restore: no new pages to allocate "
+                                               "overwritten in place by the next restore, and of saved files kept "
+                                               "for a slot without one: no new pages to allocate "
                                                "(0 = remove each after use)", _size)
 
     @property

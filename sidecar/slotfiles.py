@@ -12,8 +12,10 @@ import errno
 import logging
 import mmap
 import os
+import threading
 import time
 import uuid
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,12 +33,12 @@ FILE_PREFIX = "kvtier-"  # every file kvtier writes into the slot dir; names nev
 KEEP_SHARE_OF_FREE = 0.5  # kept restore files take at most this share of the slot dir's free space at start
 
 
-def _map_and_remove(path: Path) -> bytes | memoryview:
-    """A saved slot file's bytes, mapped rather than read, and the file removed.
+def _map(path: Path) -> bytes | memoryview:
+    """A saved slot file's bytes, mapped rather than read.
 
     The mapping shares the pages llama-server just wrote (the slot dir is on tmpfs in the chart):
     no copy and no new memory, where reading a gigabyte into a fresh buffer cost a copy and a page
-    fault per 4 KiB. The file's name goes at once; its pages go with the last view of the state.
+    fault per 4 KiB. The pages stay while the file or any view of the state does.
     """
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
     try:
@@ -51,7 +53,74 @@ def _map_and_remove(path: Path) -> bytes | memoryview:
                 return f.read()
     finally:
         os.close(fd)
-        path.unlink(missing_ok=True)
+
+
+class SpareFiles:
+    """Saved slot files kept once kvtier has read them, for a restore file to be written over.
+
+    A save's file holds pages llama-server has just allocated. A restore file written over them
+    costs a copy; a new one makes the kernel allocate and zero every page first (twice the time on
+    tmpfs, and more on a VM whose fresh pages fault through to its host). A spare is taken only
+    once nothing maps it any more (a finalizer on the mapping tells, from whichever thread drops
+    the last view): until then its bytes are a state being split and stored.
+    """
+
+    def __init__(self, slot_dir: Path):
+        self.slot_dir = slot_dir
+        self._sizes: dict[str, int] = {}  # name -> bytes, for every spare (mapped or not)
+        self._ready: set[str] = set()  # the spares nothing maps any more
+        self._lock = threading.Lock()  # finalizers run on any thread
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(self._sizes.values())
+
+    def keep(self, path: Path, data: bytes | memoryview) -> bool:
+        """Keep the saved file ``path``, just read as ``data``, as a spare (False: it could not be renamed)."""
+        name = f"{FILE_PREFIX}spare-{uuid.uuid4().hex[:12]}.bin"
+        try:
+            os.replace(path, self.slot_dir / name)
+        except OSError:
+            return False
+        with self._lock:
+            self._sizes[name] = len(data) if isinstance(data, bytes) else data.nbytes
+        mapping = data.obj if isinstance(data, memoryview) else None
+        if isinstance(mapping, mmap.mmap):
+            weakref.finalize(mapping, self._released, name).atexit = False
+        else:
+            self._released(name)
+        return True
+
+    def _released(self, name: str) -> None:
+        with self._lock:
+            if name in self._sizes:  # else dropped meanwhile
+                self._ready.add(name)
+
+    def take(self, path: Path, need: int) -> bool:
+        """Rename a spare nothing maps to ``path``: the smallest of ``need`` bytes or more, else the
+        largest. False when there is none (or it is gone)."""
+        with self._lock:
+            if not self._ready:
+                return False
+            fits = [n for n in self._ready if self._sizes[n] >= need]
+            name = (min(fits, key=self._sizes.__getitem__) if fits
+                    else max(self._ready, key=self._sizes.__getitem__))
+            self._ready.discard(name)
+            del self._sizes[name]
+        try:
+            os.replace(self.slot_dir / name, path)
+        except OSError:
+            return False
+        return True
+
+    def drop(self) -> int:
+        """Remove every spare (a mapped one's pages go with its mapping); returns the bytes freed."""
+        with self._lock:
+            names, self._sizes, self._ready = self._sizes, {}, set()
+        for name in names:
+            (self.slot_dir / name).unlink(missing_ok=True)
+        return sum(names.values())
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +139,8 @@ class SlotFiles:
     Args:
         client: the llama-server the directory belongs to.
         slot_dir: the directory llama-server was given as ``--slot-save-path``.
-        keep_bytes: restore files left in the directory for the slot's next restore (bytes); at
+        keep_bytes: restore files left in the directory for the slot's next restore, and saved
+            files kept as spares for a restore file to be written over (bytes, both together); at
             most half the directory's free space at start, so that a save of a state as large as
             a kept one still fits beside it.
 
@@ -85,9 +155,16 @@ class SlotFiles:
         self.keep_bytes = keep_bytes if free is None else min(keep_bytes, int(free * KEEP_SHARE_OF_FREE))
         self._kept: dict[int, int] = {}  # slot -> bytes of its restore file left in the slot dir
         self._locks: dict[int, asyncio.Lock] = {}
+        self.spares = SpareFiles(slot_dir)
+
+    def _room(self, nbytes: int, but: int | None = None) -> bool:
+        """Whether ``nbytes`` more fit in the budget beside the kept files (but ``but``'s) and spares."""
+        kept = sum(n for s, n in self._kept.items() if s != but)
+        return kept + self.spares.nbytes + nbytes <= self.keep_bytes
 
     async def save(self, slot: int, purpose: str) -> SeqState:
-        """Have llama-server save ``slot`` and parse what it wrote (the file is removed).
+        """Have llama-server save ``slot`` and parse what it wrote (the file is kept as a spare when
+        the budget allows, else removed).
 
         Raises:
             KVTierError: the file is not where it should be (the slot dir is not llama-server's).
@@ -104,28 +181,34 @@ class SlotFiles:
                 path.unlink(missing_ok=True)
                 await self.client.save_slot(slot, name)
             try:
-                data = await in_thread(_map_and_remove, path)
+                data = await in_thread(_map, path)
             except FileNotFoundError:
                 raise KVTierError(
                     f"llama-server saved slot {slot} but {path} does not exist: --slot-dir must be the "
                     "directory llama-server was given as --slot-save-path"
                 ) from None
-            return parse_state(data)
+            state = parse_state(data)
+            if self._room(len(data) if isinstance(data, bytes) else data.nbytes):
+                self.spares.keep(path, data)
+            return state
         finally:
-            path.unlink(missing_ok=True)  # when saving or reading failed (else already gone: cheap)
+            path.unlink(missing_ok=True)  # not kept, or saving or reading failed
 
     async def restore(self, slot: int, pieces: Sequence[bytes | memoryview]) -> RestoreIO:
         """Write ``pieces`` as ``slot``'s restore file and have llama-server restore it."""
         # One file per slot, overwritten in place by the slot's next restore: writing into pages the
         # slot dir holds already is about twice as fast on tmpfs as a new file (whose pages the
         # kernel must allocate and zero; on some VMs first-touched pages cost ~10 us each, 300 ms
-        # for a 94 MB state). Kept only within keep_bytes, and never written by two restores at once.
+        # for a 94 MB state). A slot with none takes a spare. Kept only within keep_bytes, and never
+        # written by two restores at once.
         name = f"{FILE_PREFIX}restore-{slot}.bin"
         path = self.slot_dir / name
         kept = False
         async with self._locks.setdefault(slot, asyncio.Lock()):
             try:
                 t0 = time.perf_counter()
+                if slot not in self._kept:
+                    self.spares.take(path, sum(memoryview(p).nbytes for p in pieces))
                 try:
                     nbytes = await asyncio.to_thread(write_pieces, path, pieces, overwrite=True)
                 except OSError as exc:
@@ -136,8 +219,7 @@ class SlotFiles:
                 t1 = time.perf_counter()
                 action = await self.client.restore_slot(slot, name)
                 t2 = time.perf_counter()
-                others = sum(n for s, n in self._kept.items() if s != slot)
-                kept = others + nbytes <= self.keep_bytes
+                kept = self._room(nbytes, but=slot)
             finally:
                 if kept:
                     self._kept[slot] = nbytes
@@ -156,9 +238,9 @@ class SlotFiles:
         return freed
 
     async def drop_kept(self, but: int | None = None) -> int:
-        """Remove the kept restore files while serving (a purge: they hold KV), each under its
-        slot's lock, so none goes while its restore runs; returns the bytes freed."""
-        freed = 0
+        """Remove the kept restore files and the spares while serving (a purge: they hold KV), each
+        restore file under its slot's lock, so none goes while its restore runs; returns the bytes freed."""
+        freed = self.spares.drop()
         for slot in [s for s in self._kept if s != but]:
             async with self._locks.setdefault(slot, asyncio.Lock()):
                 nbytes = self._kept.pop(slot, 0)
@@ -168,7 +250,8 @@ class SlotFiles:
         return freed
 
     def remove_kept(self) -> None:
-        """Remove the restore files kept for the next restores (at shutdown)."""
+        """Remove the restore files kept for the next restores and the spares (at shutdown)."""
+        self.spares.drop()
         for slot in list(self._kept):
             (self.slot_dir / f"{FILE_PREFIX}restore-{slot}.bin").unlink(missing_ok=True)
         self._kept.clear()

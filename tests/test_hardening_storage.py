@@ -380,6 +380,8 @@ async def test_kept_restore_files_yield_to_saves(small_slot_dir: Path) -> None:
             assert held.size >= known.size > 0 and np.array_equal(held[:known.size], known)
             # One that fails after a shorter prompt, which shares only a start with what the slot
             # held: the table holds that prompt now (what it knew before is no prefix of the slot).
+            # The failed save removed the spare its predecessor left: fill that room too.
+            fill(small_slot_dir / "filler3")
             other = small[:300] + " A different ending."
             shorter = await post(node.url + "/completion", completion(other))
             await node.engine.drain(60)

@@ -13,7 +13,6 @@ import socket
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,7 +20,6 @@ import redis
 
 from integrations.chunksplit import split_state
 from integrations.stateparse import parse_state
-from sidecar import slotfiles
 from tests.servers import RedisProc, redis_server
 from tests.test_statefile import logical, ref_file
 from tiers.codec import HEADER_SIZE, BlobCodec, Framed
@@ -224,24 +222,3 @@ async def test_a_worker_threads_result_goes_when_its_caller_drops_it() -> None:
                 assert gone() is None
     finally:
         gc.enable()
-
-
-# -- the saved slot file -------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("mappable", [True, False])
-def test_a_saved_slot_file_is_mapped_or_read_and_its_name_removed(tmp_path: Path, mappable: bool,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
-    data = os.urandom(3 * MB + 5)
-    path = tmp_path / "kvtier-save-0.bin"
-    path.write_bytes(data)
-    if not mappable:
-        def refuse(*args: object, **kwargs: object) -> None:
-            raise OSError("no mmap here")
-        monkeypatch.setattr(slotfiles.mmap, "mmap", refuse)
-    got = slotfiles._map_and_remove(path)
-    assert not path.exists()  # the name is gone at once; a mapping keeps the pages it needs
-    assert bytes(got) == data and isinstance(got, memoryview) == mappable
-    empty = tmp_path / "kvtier-save-1.bin"
-    empty.write_bytes(b"")
-    assert slotfiles._map_and_remove(empty) == b"" and not empty.exists()

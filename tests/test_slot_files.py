@@ -1,0 +1,166 @@
+"""The slot directory's files: saved files kept as spares, and restore files written over them.
+
+A restore file written over pages the slot dir holds already skips the kernel's allocation of
+fresh pages. The spares are the files llama-server's saves wrote; one is written over only once no
+mapping of the state it held is left (else a state being stored would change under its reader).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+
+import pytest
+
+from integrations.llama_server import LlamaServerClient
+from sidecar.config import Settings
+from sidecar.slotfiles import FILE_PREFIX, SlotFiles, SpareFiles, _map
+from tests.servers import llama_server
+from tests.sidecars import post, run_sidecar
+
+MB = 1 << 20
+
+
+def spares_in(slot_dir: Path) -> dict[str, int]:
+    """The spare files in ``slot_dir``, by name: their inode numbers."""
+    return {p.name: p.stat().st_ino for p in slot_dir.glob(f"{FILE_PREFIX}spare-*.bin")}
+
+
+def saved_file(slot_dir: Path, name: str, size: int) -> Path:
+    path = slot_dir / name
+    path.write_bytes(os.urandom(size))
+    return path
+
+
+def test_a_spare_is_taken_only_once_nothing_maps_it(tmp_path: Path) -> None:
+    spares = SpareFiles(tmp_path)
+    small, big = saved_file(tmp_path, "kvtier-save-0.bin", MB), saved_file(tmp_path, "kvtier-save-1.bin", 3 * MB)
+    small_view = _map(small)
+    assert spares.keep(small, small_view) and spares.keep(big, big.read_bytes())  # read, not mapped: free at once
+    assert not small.exists() and not big.exists() and len(spares_in(tmp_path)) == 2
+    assert spares.nbytes == 4 * MB
+    inodes = set(spares_in(tmp_path).values())
+
+    # Only the read one is free: a restore needing 1 MiB gets it though it is larger.
+    first = tmp_path / "kvtier-restore-0.bin"
+    assert spares.take(first, MB) and first.stat().st_size == 3 * MB and first.stat().st_ino in inodes
+    assert not spares.take(tmp_path / "kvtier-restore-1.bin", MB)  # the other is still mapped
+    assert spares.nbytes == MB
+    del small_view
+    gc.collect()
+    second = tmp_path / "kvtier-restore-1.bin"
+    assert spares.take(second, 2 * MB) and second.stat().st_size == MB  # the largest when none fits
+    assert spares.nbytes == 0 and spares_in(tmp_path) == {}
+
+
+def test_the_smallest_spare_that_fits_is_taken_and_drop_removes_mapped_ones(tmp_path: Path) -> None:
+    spares = SpareFiles(tmp_path)
+    for i, size in enumerate((4 * MB, 2 * MB, 3 * MB)):
+        path = saved_file(tmp_path, f"kvtier-save-{i}.bin", size)
+        assert spares.keep(path, path.read_bytes())
+    target = tmp_path / "kvtier-restore-0.bin"
+    assert spares.take(target, 2 * MB + 1) and target.stat().st_size == 3 * MB
+    held = saved_file(tmp_path, "kvtier-save-9.bin", MB)
+    view = _map(held)
+    assert spares.keep(held, view)
+    assert spares.drop() == 7 * MB and spares_in(tmp_path) == {} and spares.nbytes == 0
+    assert bytes(view[:4]) == bytes(view[:4])  # the mapping still reads after its name went
+    del view
+    gc.collect()  # its finalizer finds it dropped: nothing to take
+    assert not spares.take(tmp_path / "kvtier-restore-1.bin", 1)
+
+
+def test_a_file_that_cannot_be_renamed_is_not_kept(tmp_path: Path) -> None:
+    spares = SpareFiles(tmp_path)
+    assert not spares.keep(tmp_path / "kvtier-save-gone.bin", b"x" * 10)
+    assert spares.nbytes == 0
+
+
+@pytest.mark.parametrize("mappable", [True, False])
+def test_a_saved_slot_file_is_mapped_or_read(tmp_path: Path, mappable: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    from sidecar import slotfiles
+
+    data = os.urandom(3 * MB + 5)
+    path = tmp_path / "kvtier-save-0.bin"
+    path.write_bytes(data)
+    if not mappable:
+        def refuse(*args: object, **kwargs: object) -> None:
+            raise OSError("no mmap here")
+        monkeypatch.setattr(slotfiles.mmap, "mmap", refuse)
+    got = _map(path)
+    assert bytes(got) == data and isinstance(got, memoryview) == mappable
+    empty = tmp_path / "kvtier-save-1.bin"
+    empty.write_bytes(b"")
+    assert _map(empty) == b""
+
+
+async def test_a_restore_file_is_written_over_a_saved_one_byte_for_byte(tmp_path: Path) -> None:
+    """Two saves leave two spares; a restore writes over one, and llama-server loads exactly the
+    state written (its save of the restored slot is the same bytes)."""
+    long_text = "A longer prompt about boxes and shelves. " * 12
+    with llama_server(tmp_path, "-np", "2") as srv:
+        client = LlamaServerClient(srv.url)
+
+        async def complete(slot: int, text: str) -> None:
+            await client.completion({"prompt": text, "n_predict": 2, "id_slot": slot, "cache_prompt": True})
+
+        async def saved_bytes(slot: int) -> bytes:
+            await client.save_slot(slot, "check.bin")
+            data = (srv.slot_dir / "check.bin").read_bytes()
+            (srv.slot_dir / "check.bin").unlink()
+            return data
+
+        try:
+            await complete(0, "A short prompt.")
+            await complete(1, long_text)
+            files = SlotFiles(client, srv.slot_dir, 1 << 30)
+            spare_of = {}
+            for slot in (0, 1):
+                state = await files.save(slot, "save")
+                assert state.n_tokens > 0
+                (spare_of[slot],) = set(spares_in(srv.slot_dir)) - set(spare_of.values())
+                del state
+            gc.collect()
+            inodes = spares_in(srv.slot_dir)
+            assert not list(srv.slot_dir.glob(f"{FILE_PREFIX}save-*"))
+            # Slot 1 goes on, then serves another prompt. Its longer state fits neither spare, so it
+            # is written over the larger (which held slot 1's first state), and restored into slot 1.
+            await complete(1, long_text + " And which shelf holds the jam?")
+            longer = await saved_bytes(1)
+            assert len(longer) > (srv.slot_dir / spare_of[1]).stat().st_size
+            await complete(1, "Something else.")
+            io = await files.restore(1, [longer])
+            restored = srv.slot_dir / f"{FILE_PREFIX}restore-1.bin"
+            assert io.nbytes == len(longer) and restored.stat().st_ino == inodes[spare_of[1]]
+            assert set(spares_in(srv.slot_dir)) == {spare_of[0]}
+            assert await saved_bytes(1) == longer  # a slot's save lays its cells out in its own stream
+            # Over the budget, a save's file is removed as before.
+            lean = SlotFiles(client, srv.slot_dir, 0)
+            assert (await lean.save(0, "save")).n_tokens > 0
+            assert set(spares_in(srv.slot_dir)) == {spare_of[0]}
+            # A purge removes the spares, one still mapped among them, and the kept restore file.
+            held = await files.save(0, "save")
+            assert len(spares_in(srv.slot_dir)) == 2
+            assert await files.drop_kept() > len(longer)
+            assert spares_in(srv.slot_dir) == {} and not restored.exists()
+            assert held.n_tokens > 0
+        finally:
+            await client.aclose()
+
+
+async def test_a_node_restores_over_the_file_its_own_save_left(tmp_path: Path) -> None:
+    """In the sidecar, a save's state is let go once stored: its file is a spare the next restore
+    writes over, so a node's first restore into a slot allocates no fresh pages."""
+    doc = " ".join(f"Entry {i}: the {['red', 'blue', 'green'][i % 3]} box holds {i * 7} coins." for i in range(30))
+    with llama_server(tmp_path) as llama:
+        async with run_sidecar(Settings(llama_url=llama.url, slot_dir=str(llama.slot_dir), chunk_tokens=64,
+                                        cache_size=256 << 20, prefill_tps_prior=100.0, node_id="a")) as node:
+            for text in (doc, "Something else entirely. " * 20):  # the one slot then holds another prompt
+                assert (await post(node.url + "/completion", {"prompt": text, "n_predict": 2})).status == 200
+                await node.engine.drain(60)
+            before = spares_in(llama.slot_dir)
+            again = await post(node.url + "/completion", {"prompt": doc + " Which box?", "n_predict": 2})
+            assert again.status == 200 and again.restored > 0, again.headers
+            restored = llama.slot_dir / f"{FILE_PREFIX}restore-0.bin"
+            assert restored.stat().st_ino in before.values(), (before, restored.stat().st_ino)
