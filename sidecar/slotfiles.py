@@ -56,11 +56,12 @@ def _map(path: Path) -> bytes | memoryview:
 
 
 class SpareFiles:
-    """Saved slot files kept once kvtier has read them, for a restore file to be written over.
+    """Saved slot files kept once kvtier has read them, for a restore file or a later save to be
+    written over.
 
-    A save's file holds pages llama-server has just allocated. A restore file written over them
-    costs a copy; a new one makes the kernel allocate and zero every page first (twice the time on
-    tmpfs, and more on a VM whose fresh pages fault through to its host). A spare is taken only
+    A save's file holds pages llama-server has just allocated. A file written over them costs a
+    copy; a new one makes the kernel allocate and zero every page first (twice the time on tmpfs,
+    and more on a VM whose fresh pages fault through to its host). A spare is taken only
     once nothing maps it any more (a finalizer on the mapping tells, from whichever thread drops
     the last view): until then its bytes are a state being split and stored.
     """
@@ -97,15 +98,21 @@ class SpareFiles:
             if name in self._sizes:  # else dropped meanwhile
                 self._ready.add(name)
 
-    def take(self, path: Path, need: int) -> bool:
+    def take(self, path: Path, need: int, *, near: bool = False) -> bool:
         """Rename a spare nothing maps to ``path``: the smallest of ``need`` bytes or more, else the
-        largest. False when there is none (or it is gone)."""
+        largest; with ``near``, the closest in size of those from half to twice ``need`` only (a
+        save's file: larger spares are left to restore files). False when there is none (or it is
+        gone)."""
         with self._lock:
-            if not self._ready:
+            size = self._sizes.__getitem__
+            if near:
+                name = min((n for n in self._ready if need <= 2 * size(n) <= 4 * need),
+                           key=lambda n: abs(size(n) - need), default=None)
+            else:
+                fits = [n for n in self._ready if size(n) >= need]
+                name = min(fits, key=size) if fits else max(self._ready, key=size, default=None)
+            if name is None:
                 return False
-            fits = [n for n in self._ready if self._sizes[n] >= need]
-            name = (min(fits, key=self._sizes.__getitem__) if fits
-                    else max(self._ready, key=self._sizes.__getitem__))
             self._ready.discard(name)
             del self._sizes[name]
         try:
@@ -140,9 +147,9 @@ class SlotFiles:
         client: the llama-server the directory belongs to.
         slot_dir: the directory llama-server was given as ``--slot-save-path``.
         keep_bytes: restore files left in the directory for the slot's next restore, and saved
-            files kept as spares for a restore file to be written over (bytes, both together); at
-            most half the directory's free space at start, so that a save of a state as large as
-            a kept one still fits beside it.
+            files kept as spares for a restore file or a save to be written over (bytes, both
+            together); at most half the directory's free space at start, so that a save of a state
+            as large as a kept one still fits beside it.
 
     Kept files yield to saves: a save or a restore file that fails while files are kept removes
     them and tries once more (llama-server tells no ENOSPC apart from other failures).
@@ -155,6 +162,7 @@ class SlotFiles:
         self.keep_bytes = keep_bytes if free is None else min(keep_bytes, int(free * KEEP_SHARE_OF_FREE))
         self._kept: dict[int, int] = {}  # slot -> bytes of its restore file left in the slot dir
         self._locks: dict[int, asyncio.Lock] = {}
+        self._per_token = 0.0  # bytes per token of the last save: about what a save of n tokens writes
         self.spares = SpareFiles(slot_dir)
 
     def _room(self, nbytes: int, but: int | None = None) -> bool:
@@ -162,9 +170,10 @@ class SlotFiles:
         kept = sum(n for s, n in self._kept.items() if s != but)
         return kept + self.spares.nbytes + nbytes <= self.keep_bytes
 
-    async def save(self, slot: int, purpose: str) -> SeqState:
-        """Have llama-server save ``slot`` and parse what it wrote (the file is kept as a spare when
-        the budget allows, else removed).
+    async def save(self, slot: int, purpose: str, expect_tokens: int = 0) -> SeqState:
+        """Have llama-server save ``slot`` (over a file the slot dir holds, ``_lay_out``; the slot
+        holds about ``expect_tokens``, 0 if not known) and parse what it wrote (the file is kept as
+        a spare when the budget allows, else removed).
 
         Raises:
             KVTierError: the file is not where it should be (the slot dir is not llama-server's).
@@ -173,6 +182,7 @@ class SlotFiles:
         name = f"{FILE_PREFIX}{purpose}-{slot}-{uuid.uuid4().hex[:12]}.bin"
         path = self.slot_dir / name
         try:
+            await self._lay_out(slot, path, int(expect_tokens * self._per_token))
             try:
                 await self.client.save_slot(slot, name)
             except Exception as exc:
@@ -188,11 +198,55 @@ class SlotFiles:
                     "directory llama-server was given as --slot-save-path"
                 ) from None
             state = parse_state(data)
-            if self._room(len(data) if isinstance(data, bytes) else data.nbytes):
+            nbytes = len(data) if isinstance(data, bytes) else data.nbytes
+            if state.n_tokens:
+                self._per_token = nbytes / state.n_tokens
+            if self._room(nbytes):
                 self.spares.keep(path, data)
             return state
         finally:
             path.unlink(missing_ok=True)  # not kept, or saving or reading failed
+
+    async def _lay_out(self, slot: int, path: Path, expect: int) -> None:
+        """Put a file kvtier holds at ``path``, emptied, for llama-server's save of ``slot`` to
+        write: a spare of about the ``expect`` bytes the save will write, else a kept restore file
+        of about that size, the slot's own first (a slot that is saved has moved on from the state
+        restored into it; a slot's next restore takes a spare: the save's file, once read). With
+        no size to expect, the slot's own restore file only.
+
+        The save runs in llama-server's main loop: every other slot waits for it. Into a new file
+        its writes get pages the kernel must allocate and zero, and on a VM whose free pages go
+        back to the host (free page reporting), fault through to the host too: 0.7-1.0 s for a
+        528 MB state here, against 0.4-0.5 s into the pages the truncation has just freed.
+        """
+        taken = bool(expect) and self.spares.take(path, expect, near=True)
+        if not taken:
+            near = [s for s, n in self._kept.items() if s != slot and expect <= 2 * n <= 4 * expect]
+            for owner in ([slot] if slot in self._kept else []) + sorted(near, key=lambda s: abs(self._kept[s] - expect)):
+                if await self._take_kept(owner, path):
+                    taken = True
+                    break
+        if taken:
+            try:
+                await in_thread(os.truncate, path, 0)  # off llama-server's loop: freeing pages takes time too
+            except OSError:
+                path.unlink(missing_ok=True)
+
+    async def _take_kept(self, slot: int, path: Path) -> bool:
+        """Rename ``slot``'s kept restore file to ``path``, unless a restore into ``slot`` is using it."""
+        lock = self._locks.setdefault(slot, asyncio.Lock())
+        if lock.locked():
+            return False
+        async with lock:
+            if not self._kept.pop(slot, 0):
+                return False
+            restore_file = self.slot_dir / f"{FILE_PREFIX}restore-{slot}.bin"
+            try:
+                os.replace(restore_file, path)
+            except OSError:
+                restore_file.unlink(missing_ok=True)
+                return False
+            return True
 
     async def restore(self, slot: int, pieces: Sequence[bytes | memoryview]) -> RestoreIO:
         """Write ``pieces`` as ``slot``'s restore file and have llama-server restore it."""

@@ -481,3 +481,10 @@ class SlotTable(SlotRecords):
 
     def tokens(self, slot: int) -> np.ndarray:
         return self.slots[slot].tokens
+
+    def held_about(self, slot: int) -> int:
+        """About how many tokens ``slot`` holds, its answer not counted: the prompt it answered last
+        while its save is to come (what it held before may be another conversation's), else what
+        it is known to hold (a follow-up continues that)."""
+        record = self.slots[slot]
+        return record.answered[0].size if record.answered is not None else record.tokens.size

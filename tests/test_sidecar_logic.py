@@ -142,8 +142,10 @@ async def test_a_slot_saving_a_shorter_prompt_than_it_held_before_is_hot_with_th
         table.set_tokens(slot, np.arange(1000 * (slot + 1), 1000 * (slot + 1) + 900, dtype=np.int32), owner="t")
     prompt = np.arange(5000, 5300, dtype=np.int32)
     answering = await table.acquire(prompt, owner="t")
+    assert table.held_about(answering.slot) == 900
     table.begin_save(answering.slot, (prompt, "t"))
     assert table.slots[answering.slot].hot()[0] is prompt  # not the 900 tokens it held before
+    assert table.held_about(answering.slot) == 300  # what its save will write is about this prompt's size
     # The same prompt again, at once: it waits for that slot rather than take the idle one.
     again = asyncio.ensure_future(table.acquire(prompt, owner="t"))
     await asyncio.sleep(0)

@@ -73,6 +73,20 @@ def test_the_smallest_spare_that_fits_is_taken_and_drop_removes_mapped_ones(tmp_
     assert not spares.take(tmp_path / "kvtier-restore-1.bin", 1)
 
 
+def test_a_save_takes_only_a_spare_of_about_its_size(tmp_path: Path) -> None:
+    spares = SpareFiles(tmp_path)
+    for i, size in enumerate((MB, 5 * MB, 9 * MB)):
+        path = saved_file(tmp_path, f"kvtier-save-{i}.bin", size)
+        assert spares.keep(path, path.read_bytes())
+    target = tmp_path / "kvtier-save-new.bin"
+    assert not spares.take(target, 20 * MB, near=True)  # none from 10 to 40 MiB: the 9 MiB one stays
+    assert not target.exists() and spares.nbytes == 15 * MB
+    assert spares.take(target, 6 * MB, near=True) and target.stat().st_size == 5 * MB  # the closest of 5 and 9
+    target.unlink()
+    assert spares.take(target, 2 * MB, near=True) and target.stat().st_size == MB
+    assert spares.nbytes == 9 * MB
+
+
 def test_a_file_that_cannot_be_renamed_is_not_kept(tmp_path: Path) -> None:
     spares = SpareFiles(tmp_path)
     assert not spares.keep(tmp_path / "kvtier-save-gone.bin", b"x" * 10)
@@ -144,6 +158,69 @@ async def test_a_restore_file_is_written_over_a_saved_one_byte_for_byte(tmp_path
             assert len(spares_in(srv.slot_dir)) == 2
             assert await files.drop_kept() > len(longer)
             assert spares_in(srv.slot_dir) == {} and not restored.exists()
+            assert held.n_tokens > 0
+        finally:
+            await client.aclose()
+
+
+async def test_a_save_is_written_over_a_file_the_slot_dir_holds(tmp_path: Path) -> None:
+    """llama-server's save of a slot is written where a file kvtier holds was (emptied first): a
+    spare of about the size expected, else a kept restore file of about that size, the slot's own
+    first (the only one taken when no size is expected). What it then holds is llama-server's own
+    save of that slot, byte for byte."""
+    long_text = "A longer prompt about boxes and shelves. " * 12
+    with llama_server(tmp_path, "-np", "2") as srv:
+        client = LlamaServerClient(srv.url)
+
+        async def complete(slot: int, text: str) -> None:
+            await client.completion({"prompt": text, "n_predict": 2, "id_slot": slot, "cache_prompt": True})
+
+        async def saved_bytes(slot: int) -> bytes:
+            await client.save_slot(slot, "check.bin")
+            data = (srv.slot_dir / "check.bin").read_bytes()
+            (srv.slot_dir / "check.bin").unlink()
+            return data
+
+        def restore_inode(slot: int) -> int:
+            return (srv.slot_dir / f"{FILE_PREFIX}restore-{slot}.bin").stat().st_ino
+
+        def only_new_spare(before: dict[str, int]) -> tuple[str, int]:
+            ((name, inode),) = {k: v for k, v in spares_in(srv.slot_dir).items() if k not in before}.items()
+            return name, inode
+
+        try:
+            await complete(0, long_text)
+            files = SlotFiles(client, srv.slot_dir, 1 << 30)
+            first = await files.save(0, "save")  # nothing to write over yet: a new file, then a spare
+            n_first = first.n_tokens
+            del first
+            gc.collect()
+            ((spare, inode),) = spares_in(srv.slot_dir).items()
+            await complete(0, long_text + " Which shelf?")
+            held = await files.save(0, "save", expect_tokens=n_first + 4)  # over that spare, of about its size
+            name, again = only_new_spare({spare: inode})
+            assert again == inode and (srv.slot_dir / name).read_bytes() == await saved_bytes(0)
+            # Slot 1, restored into (a new restore file: the one spare is mapped, by ``held``), then
+            # computing another prompt, is saved with no size expected: over its own restore file.
+            await complete(1, "Something else entirely.")
+            state_0 = await saved_bytes(0)
+            await files.restore(1, [state_0])
+            own = restore_inode(1)
+            await complete(1, "Another prompt altogether, of a few more words.")
+            assert (await files.save(1, "save")).n_tokens > 0
+            assert not (srv.slot_dir / f"{FILE_PREFIX}restore-1.bin").exists()
+            newest, newest_inode = only_new_spare({name: again})
+            assert newest_inode == own and (srv.slot_dir / newest).read_bytes() == await saved_bytes(1)
+            gc.collect()
+            # Slot 1's next restore takes that spare; slot 0's next save, with no spare free, is
+            # written over slot 1's restore file, of about its size.
+            await files.restore(1, [state_0])
+            assert restore_inode(1) == newest_inode
+            await complete(0, long_text + " Which shelf? And the jam?")
+            assert (await files.save(0, "save", expect_tokens=n_first + 8)).n_tokens > 0
+            assert not (srv.slot_dir / f"{FILE_PREFIX}restore-1.bin").exists()
+            last, last_inode = only_new_spare({name: again})
+            assert last_inode == newest_inode and (srv.slot_dir / last).read_bytes() == await saved_bytes(0)
             assert held.n_tokens > 0
         finally:
             await client.aclose()
