@@ -221,8 +221,9 @@ class SlotFiles:
         """
         taken = bool(expect) and self.spares.take(path, expect, near=True)
         if not taken:
-            near = [s for s, n in self._kept.items() if s != slot and expect <= 2 * n <= 4 * expect]
-            for owner in ([slot] if slot in self._kept else []) + sorted(near, key=lambda s: abs(self._kept[s] - expect)):
+            near = sorted((s for s, n in self._kept.items() if expect <= 2 * n <= 4 * expect),
+                          key=lambda s: (s != slot, abs(self._kept[s] - expect)))
+            for owner in near if expect else [slot]:
                 if await self._take_kept(owner, path):
                     taken = True
                     break
