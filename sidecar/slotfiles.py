@@ -55,6 +55,11 @@ def _map(path: Path) -> bytes | memoryview:
         os.close(fd)
 
 
+def _about(nbytes: int, expect: int) -> bool:
+    """Whether a file of ``nbytes`` is of about the ``expect`` bytes a save will write (half to twice)."""
+    return expect <= 2 * nbytes <= 4 * expect
+
+
 class SpareFiles:
     """Saved slot files kept once kvtier has read them, for a restore file or a later save to be
     written over.
@@ -106,7 +111,7 @@ class SpareFiles:
         with self._lock:
             size = self._sizes.__getitem__
             if near:
-                name = min((n for n in self._ready if need <= 2 * size(n) <= 4 * need),
+                name = min((n for n in self._ready if _about(size(n), need)),
                            key=lambda n: abs(size(n) - need), default=None)
             else:
                 fits = [n for n in self._ready if size(n) >= need]
@@ -165,6 +170,9 @@ class SlotFiles:
         self._per_token = 0.0  # bytes per token of the last save: about what a save of n tokens writes
         self.spares = SpareFiles(slot_dir)
 
+    def _restore_path(self, slot: int) -> Path:
+        return self.slot_dir / f"{FILE_PREFIX}restore-{slot}.bin"
+
     def _room(self, nbytes: int, but: int | None = None) -> bool:
         """Whether ``nbytes`` more fit in the budget beside the kept files (but ``but``'s) and spares."""
         kept = sum(n for s, n in self._kept.items() if s != but)
@@ -221,7 +229,7 @@ class SlotFiles:
         """
         taken = bool(expect) and self.spares.take(path, expect, near=True)
         if not taken:
-            near = sorted((s for s, n in self._kept.items() if expect <= 2 * n <= 4 * expect),
+            near = sorted((s for s, n in self._kept.items() if _about(n, expect)),
                           key=lambda s: (s != slot, abs(self._kept[s] - expect)))
             for owner in near if expect else [slot]:
                 if await self._take_kept(owner, path):
@@ -241,7 +249,7 @@ class SlotFiles:
         async with lock:
             if not self._kept.pop(slot, 0):
                 return False
-            restore_file = self.slot_dir / f"{FILE_PREFIX}restore-{slot}.bin"
+            restore_file = self._restore_path(slot)
             try:
                 os.replace(restore_file, path)
             except OSError:
@@ -256,8 +264,8 @@ class SlotFiles:
         # kernel must allocate and zero; on some VMs first-touched pages cost ~10 us each, 300 ms
         # for a 94 MB state). A slot with none takes a spare. Kept only within keep_bytes, and never
         # written by two restores at once.
-        name = f"{FILE_PREFIX}restore-{slot}.bin"
-        path = self.slot_dir / name
+        path = self._restore_path(slot)
+        name = path.name
         kept = False
         async with self._locks.setdefault(slot, asyncio.Lock()):
             try:
@@ -300,7 +308,7 @@ class SlotFiles:
             async with self._locks.setdefault(slot, asyncio.Lock()):
                 nbytes = self._kept.pop(slot, 0)
                 if nbytes:
-                    (self.slot_dir / f"{FILE_PREFIX}restore-{slot}.bin").unlink(missing_ok=True)
+                    self._restore_path(slot).unlink(missing_ok=True)
                     freed += nbytes
         return freed
 
@@ -308,7 +316,7 @@ class SlotFiles:
         """Remove the restore files kept for the next restores and the spares (at shutdown)."""
         self.spares.drop()
         for slot in list(self._kept):
-            (self.slot_dir / f"{FILE_PREFIX}restore-{slot}.bin").unlink(missing_ok=True)
+            self._restore_path(slot).unlink(missing_ok=True)
         self._kept.clear()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+from collections.abc import Awaitable
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from tests.servers import llama_server
 from tests.sidecars import post, run_sidecar
 
 MB = 1 << 20
+LONG_TEXT = "A longer prompt about boxes and shelves. " * 12
 
 
 def spares_in(slot_dir: Path) -> dict[str, int]:
@@ -32,6 +34,18 @@ def saved_file(slot_dir: Path, name: str, size: int) -> Path:
     path = slot_dir / name
     path.write_bytes(os.urandom(size))
     return path
+
+
+async def complete_in(client: LlamaServerClient, slot: int, text: str) -> None:
+    await client.completion({"prompt": text, "n_predict": 2, "id_slot": slot, "cache_prompt": True})
+
+
+async def saved_bytes_of(client: LlamaServerClient, slot_dir: Path, slot: int) -> bytes:
+    """llama-server's own save of ``slot``, read and removed."""
+    await client.save_slot(slot, "check.bin")
+    data = (slot_dir / "check.bin").read_bytes()
+    (slot_dir / "check.bin").unlink()
+    return data
 
 
 def test_a_spare_is_taken_only_once_nothing_maps_it(tmp_path: Path) -> None:
@@ -112,22 +126,18 @@ def test_a_saved_slot_file_is_mapped_or_read(tmp_path: Path, mappable: bool, mon
 async def test_a_restore_file_is_written_over_a_saved_one_byte_for_byte(tmp_path: Path) -> None:
     """Two saves leave two spares; a restore writes over one, and llama-server loads exactly the
     state written (its save of the restored slot is the same bytes)."""
-    long_text = "A longer prompt about boxes and shelves. " * 12
     with llama_server(tmp_path, "-np", "2") as srv:
         client = LlamaServerClient(srv.url)
 
-        async def complete(slot: int, text: str) -> None:
-            await client.completion({"prompt": text, "n_predict": 2, "id_slot": slot, "cache_prompt": True})
+        def complete(slot: int, text: str) -> Awaitable[None]:
+            return complete_in(client, slot, text)
 
-        async def saved_bytes(slot: int) -> bytes:
-            await client.save_slot(slot, "check.bin")
-            data = (srv.slot_dir / "check.bin").read_bytes()
-            (srv.slot_dir / "check.bin").unlink()
-            return data
+        def saved_bytes(slot: int) -> Awaitable[bytes]:
+            return saved_bytes_of(client, srv.slot_dir, slot)
 
         try:
             await complete(0, "A short prompt.")
-            await complete(1, long_text)
+            await complete(1, LONG_TEXT)
             files = SlotFiles(client, srv.slot_dir, 1 << 30)
             spare_of = {}
             for slot in (0, 1):
@@ -140,7 +150,7 @@ async def test_a_restore_file_is_written_over_a_saved_one_byte_for_byte(tmp_path
             assert not list(srv.slot_dir.glob(f"{FILE_PREFIX}save-*"))
             # Slot 1 goes on, then serves another prompt. Its longer state fits neither spare, so it
             # is written over the larger (which held slot 1's first state), and restored into slot 1.
-            await complete(1, long_text + " And which shelf holds the jam?")
+            await complete(1, LONG_TEXT + " And which shelf holds the jam?")
             longer = await saved_bytes(1)
             assert len(longer) > (srv.slot_dir / spare_of[1]).stat().st_size
             await complete(1, "Something else.")
@@ -168,18 +178,14 @@ async def test_a_save_is_written_over_a_file_the_slot_dir_holds(tmp_path: Path) 
     spare of about the size expected, else a kept restore file of about that size, the slot's own
     first (the only one taken when no size is expected). What it then holds is llama-server's own
     save of that slot, byte for byte."""
-    long_text = "A longer prompt about boxes and shelves. " * 12
     with llama_server(tmp_path, "-np", "2") as srv:
         client = LlamaServerClient(srv.url)
 
-        async def complete(slot: int, text: str) -> None:
-            await client.completion({"prompt": text, "n_predict": 2, "id_slot": slot, "cache_prompt": True})
+        def complete(slot: int, text: str) -> Awaitable[None]:
+            return complete_in(client, slot, text)
 
-        async def saved_bytes(slot: int) -> bytes:
-            await client.save_slot(slot, "check.bin")
-            data = (srv.slot_dir / "check.bin").read_bytes()
-            (srv.slot_dir / "check.bin").unlink()
-            return data
+        def saved_bytes(slot: int) -> Awaitable[bytes]:
+            return saved_bytes_of(client, srv.slot_dir, slot)
 
         def restore_inode(slot: int) -> int:
             return (srv.slot_dir / f"{FILE_PREFIX}restore-{slot}.bin").stat().st_ino
@@ -189,14 +195,14 @@ async def test_a_save_is_written_over_a_file_the_slot_dir_holds(tmp_path: Path) 
             return name, inode
 
         try:
-            await complete(0, long_text)
+            await complete(0, LONG_TEXT)
             files = SlotFiles(client, srv.slot_dir, 1 << 30)
             first = await files.save(0, "save")  # nothing to write over yet: a new file, then a spare
             n_first = first.n_tokens
             del first
             gc.collect()
             ((spare, inode),) = spares_in(srv.slot_dir).items()
-            await complete(0, long_text + " Which shelf?")
+            await complete(0, LONG_TEXT + " Which shelf?")
             held = await files.save(0, "save", expect_tokens=n_first + 4)  # over that spare, of about its size
             name, again = only_new_spare({spare: inode})
             assert again == inode and (srv.slot_dir / name).read_bytes() == await saved_bytes(0)
@@ -216,7 +222,7 @@ async def test_a_save_is_written_over_a_file_the_slot_dir_holds(tmp_path: Path) 
             # written over slot 1's restore file, of about its size.
             await files.restore(1, [state_0])
             assert restore_inode(1) == newest_inode
-            await complete(0, long_text + " Which shelf? And the jam?")
+            await complete(0, LONG_TEXT + " Which shelf? And the jam?")
             assert (await files.save(0, "save", expect_tokens=n_first + 8)).n_tokens > 0
             assert not (srv.slot_dir / f"{FILE_PREFIX}restore-1.bin").exists()
             last, last_inode = only_new_spare({name: again})
