@@ -188,10 +188,9 @@ class Settings:
     save_nice: int = _option(10, "how far below the sidecar's CPU priority the threads run that cut a save into "
                                  "chunks and send them to Redis (0-19): llama-server's threads computing other "
                                  "users' tokens take the cores first (0 = the sidecar's own priority)", _int)
-    keep_restore_files: int = _option(1 << 30, "bytes of restore files (one per slot) kept in the slot dir and "
-                                               "overwritten in place by the next restore, and of saved files kept "
-                                               "for a slot without one: no new pages to allocate "
-                                               "(0 = remove each after use)", _size)
+    keep_restore_files: int = _option(1 << 30, "bytes of restore files (one per slot) and of read save files "
+                                               "kept in the slot dir for later restores and saves to be written "
+                                               "over: no new pages to allocate (0 = remove each after use)", _size)
 
     @property
     def host_port(self) -> tuple[str, int]:
