@@ -19,11 +19,13 @@ from tiers.threads import in_thread
 
 from .costmodel import CostModel
 from .metrics import Metrics
-from .slotfiles import SlotFiles
+from .slotfiles import RestoreIO, SlotFiles
 from .slots import Lease
 from .watcher import Target
 
 log = logging.getLogger("kvtier.engine")
+
+SAVED_FILE = "file"  # the restore tier named for a state loaded from a file a save left in the slot dir
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +55,8 @@ class RestoreWriter:
         """Fetch ``found`` and load it into the leased slot, and record in the slot table what it now
         holds (for tenant ``owner``); None when no more than the slot held already arrived."""
         slot, cached = lease.slot, lease.cached_tokens
+        if (loaded := await self._saved_file(lease, namespace, found, tokens, owner=owner)) is not None:
+            return loaded
         t0 = time.perf_counter()
         got = await fetch_prefix(self.store, namespace, found)
         if got.n_tokens <= cached:
@@ -73,6 +77,32 @@ class RestoreWriter:
         self._count(done, nbytes, cached)
         lease.table.record_restore(slot, tokens[:done.n_tokens].copy(), owner=owner, tail=done.tail)
         log.info("slot %d: restored %d tokens from %s in %.1f ms", slot, done.n_tokens, done.tier, done.ms)
+        return done
+
+    async def _saved_file(self, lease: Lease, namespace: Namespace, found: PrefixFound, tokens: np.ndarray, *,
+                          owner: str) -> Restored | None:
+        """Load the file a save on this node left in the slot dir, when it still holds ``found``'s
+        state (``SlotFiles.restore_saved``), and record it; None when none does.
+
+        A state of plain KV may hold up to twice the prefix's tokens: llama-server keeps the cells
+        the prompt shares with it and drops the rest, as after its own cached prompts. One with a
+        rest (sliding window, recurrent) must hold exactly the prefix, whose end its rest is.
+        """
+        n, cached = found.n_tokens, lease.cached_tokens
+        if n <= cached:
+            return None
+        t0 = time.perf_counter()
+        loaded = await self.files.restore_saved(lease.slot, namespace, tokens, n, exact=found.whole)
+        if loaded is None:
+            return None
+        io, held = loaded
+        self._observe(io, 0.0, lease.table.computing - 1)
+        # No tail recorded: without reading it, the tail found may be a reference, which is no
+        # tail of this context (``restored_tail``) and must not be deleted as one.
+        done = Restored(n, SAVED_FILE, (time.perf_counter() - t0) * 1000)
+        self._count(done, io.nbytes, cached)
+        lease.table.record_restore(lease.slot, held, owner=owner, tail=done.tail)
+        log.info("slot %d: restored %d tokens from a saved file of %d in %.1f ms", lease.slot, n, held.size, done.ms)
         return done
 
     async def restore_session(self, lease: Lease, namespace: Namespace, manifest: Manifest, target: Target, *,
@@ -114,6 +144,11 @@ class RestoreWriter:
         """Write the restore file ``pieces`` (laid out in ``assemble_s``) and restore it into
         ``slot``, beside ``sharing`` other computing slots."""
         io = await self.files.restore(slot, pieces)
+        self._observe(io, assemble_s, sharing)
+        return io.nbytes, assemble_s + io.write_s + io.llama_s
+
+    def _observe(self, io: RestoreIO, assemble_s: float, sharing: int) -> None:
+        """Record a restore's phases and teach the cost model its wait in llama-server's queue."""
         phases = self.metrics.restore_phase_seconds
         phases.labels("assemble").observe(assemble_s)
         phases.labels("write").observe(io.write_s)
@@ -123,7 +158,6 @@ class RestoreWriter:
         # slots' batches are learned apart: the wait depends on how many slots compute (seconds
         # under load), the restore on its size.
         self.cost.observe_queue_wait(sharing, io.waited_s - io.llama_s)
-        return io.nbytes, assemble_s + io.write_s + io.llama_s
 
     def _count(self, done: Restored, nbytes: int, cached: int) -> None:
         self.metrics.restores.labels(done.tier, "ok").inc()

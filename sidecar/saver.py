@@ -93,7 +93,7 @@ class Saver:
         ``grant``: as in ``SlotTable.record_saved`` (a slot handed over meanwhile records nothing).
         """
         t0 = time.perf_counter()
-        state = await self.files.save(slot, "save", table.held_about(slot))
+        state = await self.files.save(slot, "save", table.held_about(slot), namespace)
         saved = table.record_saved(slot, state.tokens.tokens.copy(), owner, grant)
         if read is not None:
             read()
@@ -128,7 +128,7 @@ class Saver:
         """Save ``slot`` as session ``session_id``: its chunks, its partial tail, its manifest
         (``read`` as in ``save_slot``)."""
         t0 = time.perf_counter()
-        state = await self.files.save(slot, "session", table.held_about(slot))
+        state = await self.files.save(slot, "session", table.held_about(slot), namespace)
         table.set_tokens(slot, state.tokens.tokens.copy(), owner=owner)
         if read is not None:
             read()

@@ -20,11 +20,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from integrations.chunkassemble import write_pieces
 from integrations.llama_server import LlamaServerClient
 from integrations.statefile import SeqState
 from integrations.stateparse import parse_state
 from tiers.errors import KVTierError
+from tiers.keys import Namespace
 from tiers.threads import in_thread
 
 log = logging.getLogger("kvtier.engine")
@@ -69,12 +72,17 @@ class SpareFiles:
     and more on a VM whose fresh pages fault through to its host). A spare is taken only
     once nothing maps it any more (a finalizer on the mapping tells, from whichever thread drops
     the last view): until then its bytes are a state being split and stored.
+
+    Until it is taken, a spare still holds the state its save wrote: a restore of that state on
+    this node loads it as it is (``lease``), with nothing to fetch and no file to write.
     """
 
     def __init__(self, slot_dir: Path):
         self.slot_dir = slot_dir
         self._sizes: dict[str, int] = {}  # name -> bytes, for every spare (mapped or not)
         self._ready: set[str] = set()  # the spares nothing maps any more
+        self._held: dict[str, tuple[Namespace, np.ndarray]] = {}  # name -> the state it holds: namespace, tokens
+        self._busy: set[str] = set()  # the spares a restore loads from: not to be taken meanwhile
         self._lock = threading.Lock()  # finalizers run on any thread
 
     @property
@@ -82,8 +90,10 @@ class SpareFiles:
         with self._lock:
             return sum(self._sizes.values())
 
-    def keep(self, path: Path, data: bytes | memoryview) -> bool:
-        """Keep the saved file ``path``, just read as ``data``, as a spare (False: it could not be renamed)."""
+    def keep(self, path: Path, data: bytes | memoryview, held: tuple[Namespace, np.ndarray] | None = None) -> bool:
+        """Keep the saved file ``path``, just read as ``data``, as a spare; ``held``: the namespace
+        and the tokens of the state it holds, when a restore may load it (False: it could not be
+        renamed)."""
         name = f"{FILE_PREFIX}spare-{uuid.uuid4().hex[:12]}.bin"
         try:
             os.replace(path, self.slot_dir / name)
@@ -91,6 +101,8 @@ class SpareFiles:
             return False
         with self._lock:
             self._sizes[name] = len(data) if isinstance(data, bytes) else data.nbytes
+            if held is not None:
+                self._held[name] = held
         mapping = data.obj if isinstance(data, memoryview) else None
         if isinstance(mapping, mmap.mmap):
             weakref.finalize(mapping, self._released, name).atexit = False
@@ -110,26 +122,50 @@ class SpareFiles:
         gone)."""
         with self._lock:
             size = self._sizes.__getitem__
+            ready = self._ready - self._busy
             if near:
-                name = min((n for n in self._ready if _about(size(n), need)),
+                name = min((n for n in ready if _about(size(n), need)),
                            key=lambda n: abs(size(n) - need), default=None)
             else:
-                fits = [n for n in self._ready if size(n) >= need]
-                name = min(fits, key=size) if fits else max(self._ready, key=size, default=None)
+                fits = [n for n in ready if size(n) >= need]
+                name = min(fits, key=size) if fits else max(ready, key=size, default=None)
             if name is None:
                 return False
             self._ready.discard(name)
             del self._sizes[name]
+            self._held.pop(name, None)  # about to be written over
         try:
             os.replace(self.slot_dir / name, path)
         except OSError:
             return False
         return True
 
+    def lease(self, namespace: Namespace, tokens: np.ndarray, n: int, *, exact: bool) -> tuple[str, int, np.ndarray] | None:
+        """A spare holding a state of ``namespace`` whose tokens begin with ``tokens[:n]``: of just
+        those with ``exact``, else of up to twice as many (the fewest), set aside from ``take``
+        until ``give_back``. Returns its name, its size and the tokens it holds; None when none does."""
+        with self._lock:
+            fits = [(held.size, name) for name, (ns, held) in self._held.items()
+                    if name not in self._busy and ns == namespace and n <= held.size <= (n if exact else 2 * n)
+                    and tokens.size >= n and np.array_equal(held[:n], tokens[:n])]
+            if not fits:
+                return None
+            name = min(fits)[1]
+            self._busy.add(name)
+            return name, self._sizes[name], self._held[name][1]
+
+    def give_back(self, name: str, *, bad: bool = False) -> None:
+        """End ``lease``'s hold on spare ``name``; ``bad``: its state failed to load (it is never leased again)."""
+        with self._lock:
+            self._busy.discard(name)
+            if bad:
+                self._held.pop(name, None)
+
     def drop(self) -> int:
         """Remove every spare (a mapped one's pages go with its mapping); returns the bytes freed."""
         with self._lock:
             names, self._sizes, self._ready = self._sizes, {}, set()
+            self._held.clear()
         for name in names:
             (self.slot_dir / name).unlink(missing_ok=True)
         return sum(names.values())
@@ -178,10 +214,12 @@ class SlotFiles:
         kept = sum(n for s, n in self._kept.items() if s != but)
         return kept + self.spares.nbytes + nbytes <= self.keep_bytes
 
-    async def save(self, slot: int, purpose: str, expect_tokens: int = 0) -> SeqState:
+    async def save(self, slot: int, purpose: str, expect_tokens: int = 0,
+                   namespace: Namespace | None = None) -> SeqState:
         """Have llama-server save ``slot`` (over a file the slot dir holds, ``_lay_out``; the slot
         holds about ``expect_tokens``, 0 if not known) and parse what it wrote (the file is kept as
-        a spare when the budget allows, else removed).
+        a spare when the budget allows, else removed; one saved in ``namespace`` may be restored
+        as it is, ``restore_saved``).
 
         Raises:
             KVTierError: the file is not where it should be (the slot dir is not llama-server's).
@@ -210,7 +248,7 @@ class SlotFiles:
             if state.n_tokens:
                 self._per_token = nbytes / state.n_tokens
             if self._room(nbytes):
-                self.spares.keep(path, data)
+                self.spares.keep(path, data, None if namespace is None else (namespace, state.tokens.tokens.copy()))
             return state
         finally:
             path.unlink(missing_ok=True)  # not kept, or saving or reading failed
@@ -291,6 +329,30 @@ class SlotFiles:
                     path.unlink(missing_ok=True)
         llama_s = action.ms / 1000 if action.ms > 0 else t2 - t1
         return RestoreIO(nbytes, t1 - t0, min(llama_s, t2 - t1), t2 - t1)
+
+    async def restore_saved(self, slot: int, namespace: Namespace, tokens: np.ndarray, n: int, *,
+                            exact: bool) -> tuple[RestoreIO, np.ndarray] | None:
+        """Have llama-server restore into ``slot`` a spare that still holds a state saved in
+        ``namespace`` beginning with ``tokens[:n]`` (``SpareFiles.lease``): nothing to fetch, no
+        file to write. Returns the restore's times and the tokens the slot now holds; None when
+        no spare holds such a state, or its restore failed (the spare is not leased again)."""
+        leased = self.spares.lease(namespace, tokens, n, exact=exact)
+        if leased is None:
+            return None
+        name, nbytes, held = leased
+        bad = True
+        try:
+            t1 = time.perf_counter()
+            action = await self.client.restore_slot(slot, name)
+            t2 = time.perf_counter()
+            bad = False
+        except Exception as exc:  # the usual restore path follows: it writes and loads its own file
+            log.warning("slot %d: restoring the saved file %s failed: %s", slot, name, exc)
+            return None
+        finally:
+            self.spares.give_back(name, bad=bad)
+        llama_s = action.ms / 1000 if action.ms > 0 else t2 - t1
+        return RestoreIO(nbytes, 0.0, min(llama_s, t2 - t1), t2 - t1), held
 
     async def _free_kept(self, why: str, but: int | None = None) -> int:
         """Remove the kept restore files (but slot ``but``'s, whose lock the caller holds), each

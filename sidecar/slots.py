@@ -448,10 +448,14 @@ class SlotTable(SlotRecords):
 
     def record_restore(self, slot: int, tokens: np.ndarray, *, owner: str, tail: TailRecord | None) -> None:
         """A restore put ``tokens`` into ``slot`` for tenant ``owner``, and ``tail`` when it restored
-        one (the next save of the slot replaces that tail; none restored keeps the one recorded)."""
+        one (the next save of the slot replaces that tail; with none restored, the one recorded
+        stays only while ``tokens`` hold all it covers: another context's is not this one's)."""
+        record = self.slots[slot]
+        old = record.tail
+        if tail is None and old is not None and common_prefix(record.tokens, tokens) < old.end:
+            old = None
         self.set_tokens(slot, tokens, owner=owner)
-        if tail is not None:
-            self.slots[slot].tail = tail
+        record.tail = tail if tail is not None else old
 
     def emptied(self, slot: int) -> None:
         """llama-server reports ``slot`` empty (erased behind kvtier's back): it holds nothing and

@@ -7,6 +7,8 @@ with the same summarising functions the real run uses.
 
 from __future__ import annotations
 
+import json
+import statistics
 import subprocess
 import sys
 from dataclasses import asdict
@@ -15,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from bench import hop, neverworse, overhead, report, stages
+from bench import datapath, hop, neverworse, overhead, report, stages
 from bench.__main__ import BENCHMARKS
 from bench.__main__ import main as bench_main
 from bench.common import Reply, parse_metrics, percentile, summary
@@ -221,3 +223,20 @@ def test_stage_medians_and_the_overhead_verdict() -> None:
     kind = {"added_outside_compute_ms_p50": 1.2}
     assert overhead._verdict({**kind, "target_ms": 1.0}) == "NOT met (< 1 ms)"
     assert overhead._verdict(kind) == "met (< 2 ms)"  # a run from before the target was 1 ms
+
+
+def test_datapath_rates_each_path_against_the_floor_the_issue_names() -> None:
+    """The save to Redis against llama-server's save plus the fastest raw SET, the other node's
+    restore against the fastest raw GET plus llama-server's load, the same node's against the load."""
+    run = json.loads((Path(__file__).parent.parent / "bench/results/datapath-save-over-2026-12-03.json").read_text())
+    res = run["results"][0]
+    rows = {r[1]: r for r in datapath.size_rows(res, run["settings"]["conns"])}
+    floors = [x["floor"] for x in res["alone"]]
+    save_floor = statistics.median(f["save_ms"] + min(r["set_ms"] for r in f["redis"]) for f in floors)
+    redis_floor = statistics.median(f["restore_ms"] + min(r["get_ms"] for r in f["redis"]) for f in floors)
+    load = statistics.median(f["restore_ms"] for f in floors)
+    assert rows["floor: to Redis (llama-server save + fastest SET)"][2] == pytest.approx(save_floor, abs=1e-3)
+    saved = rows["kvtier save: answer end -> Redis holds"]
+    assert saved[4] == round(100 * save_floor / saved[2], 1)
+    other, same = rows["kvtier restore, other node (redis)"], rows["kvtier restore, same node (memory)"]
+    assert other[4] == round(100 * redis_floor / other[2], 1) and same[4] == round(100 * load / same[2], 1)

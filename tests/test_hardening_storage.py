@@ -280,7 +280,8 @@ async def test_an_unknown_session_with_redis_down_still_restores_what_the_tiers_
         ans = await post(a.url + "/completion", completion(text + " And 28?"),
                          headers={**AUTH, "X-Session-Id": "never-" + uuid.uuid4().hex[:6]})
         assert ans.status == 200
-        assert ans.restored > 0 and ans.headers["X-KVTier-Restore-Tier"] == "memory", ans.headers
+        # From this node's own copies: the RAM tier, or the file its save left in the slot dir.
+        assert ans.restored > 0 and ans.headers["X-KVTier-Restore-Tier"] in ("memory", "file"), ans.headers
     finally:
         pair.redis.start()
 

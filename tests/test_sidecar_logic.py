@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from integrations.kvflow import TailRecord
 from integrations.llama_server import Timings, stream_finished
 from sidecar import slots as slots_mod
 from sidecar.cli_client import summarize_metrics
@@ -229,6 +230,23 @@ async def test_a_failed_save_leaves_the_slot_holding_the_prompt_its_answer_ran_o
     other.end_save(follow_up)
     assert other.slots[0].tokens.tolist() == prompt.tolist() and other.slots[0].owner == "b"
     (await asyncio.wait_for(unrelated, 1)).release()
+
+
+def test_a_restore_keeps_the_recorded_tail_only_while_it_holds_all_that_tail_covers() -> None:
+    """The next save of a slot deletes the tail recorded for it once superseded: a restore of
+    another context that brings no tail must not leave the one before recorded as its own."""
+    table = SlotTable(1)
+    first = np.arange(1000, 1300, dtype=np.int32)
+    table.set_tokens(0, first, owner="a")
+    table.slots[0].tail = TailRecord(b"tail-of-first", 300)
+    table.record_restore(0, np.concatenate([first, np.arange(5, 105, dtype=np.int32)]), owner="a", tail=None)
+    assert table.slots[0].tail == TailRecord(b"tail-of-first", 300)  # the same context, continued
+    table.record_restore(0, np.arange(7000, 7400, dtype=np.int32), owner="a", tail=None)
+    assert table.slots[0].tail is None  # another context: the first's tail is not its own
+    table.record_restore(0, first[:256], owner="a", tail=TailRecord(b"restored", 256))
+    assert table.slots[0].tail == TailRecord(b"restored", 256)
+    table.record_restore(0, first[:200], owner="a", tail=None)
+    assert table.slots[0].tail is None  # fewer tokens than that tail ends at
 
 
 async def test_more_requests_than_slots_queue_fairly_and_never_share() -> None:

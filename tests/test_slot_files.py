@@ -7,19 +7,24 @@ mapping of the state it held is left (else a state being stored would change und
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
-from collections.abc import Awaitable
+from collections.abc import AsyncIterator, Awaitable
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from integrations.chunksplit import split_state
 from integrations.llama_server import LlamaServerClient
+from integrations.stateparse import parse_state
 from sidecar import slotfiles
 from sidecar.config import Settings
 from sidecar.slotfiles import FILE_PREFIX, SlotFiles, SpareFiles, _map
-from tests.servers import llama_server
-from tests.sidecars import post, run_sidecar
+from tests.servers import LlamaServer, llama_server
+from tests.sidecars import Sidecar, post, run_sidecar
+from tiers.keys import Namespace
 
 MB = 1 << 20
 LONG_TEXT = "A longer prompt about boxes and shelves. " * 12
@@ -99,6 +104,52 @@ def test_a_save_takes_only_a_spare_of_about_its_size(tmp_path: Path) -> None:
     target.unlink()
     assert spares.take(target, 2 * MB, near=True) and target.stat().st_size == MB
     assert spares.nbytes == 9 * MB
+
+
+def test_a_spare_is_leased_for_a_restore_of_the_state_it_holds(tmp_path: Path) -> None:
+    ns, other_ns = Namespace("model-a"), Namespace("model-a", salt="tenant-b")
+    tokens = np.arange(1000, dtype=np.int32)
+    spares = SpareFiles(tmp_path)
+    for i, n in enumerate((300, 500, 900)):  # three states of the same prompt, of 300, 500 and 900 tokens
+        path = saved_file(tmp_path, f"kvtier-save-{i}.bin", n)
+        assert spares.keep(path, path.read_bytes(), (ns, tokens[:n].copy()))
+    untagged = saved_file(tmp_path, "kvtier-save-9.bin", 400)
+    assert spares.keep(untagged, untagged.read_bytes())  # a probe's save: never leased
+
+    def lease(n: int, exact: bool = False, namespace: Namespace = ns,
+              prompt: np.ndarray = tokens) -> tuple[str, int, np.ndarray] | None:
+        return spares.lease(namespace, prompt, n, exact=exact)
+
+    got = lease(280)  # the fewest tokens from 280 to 560 that begin with the prompt's
+    assert got is not None and got[1] == 300 and np.array_equal(got[2], tokens[:300])
+    second = lease(280)  # the first is leased: the next fewest
+    assert second is not None and second[1] == 500
+    assert lease(280) is None  # 900 tokens are more than twice 280
+    assert lease(500, exact=True) is None  # leased already
+    spares.give_back(second[0])
+    again = lease(500, exact=True)
+    assert again is not None and again[0] == second[0]
+    spares.give_back(again[0])
+    assert lease(450, exact=True) is None and lease(950) is None  # none of exactly 450, none of 950 or more
+    assert lease(280, namespace=other_ns) is None  # another tenant's namespace
+    changed = tokens.copy()
+    changed[100] += 1
+    assert lease(280, prompt=changed) is None and lease(90, prompt=changed) is None  # 90: no spare of up to 180
+    assert lease(280, prompt=tokens[:200]) is None  # a prompt shorter than the prefix asked for
+
+    # A leased spare is not taken to be written over; one taken holds nothing to lease any more.
+    target = tmp_path / "kvtier-restore-0.bin"
+    assert spares.take(target, 300) and target.stat().st_size == 400  # the 300 is leased: the untagged 400
+    target.unlink()
+    spares.give_back(got[0], bad=True)  # its restore failed: never leased again, still a spare
+    instead = lease(280)
+    assert instead is not None and instead[1] == 500
+    spares.give_back(instead[0])
+    assert spares.take(target, 300) and target.stat().st_size == 300
+    target.unlink()
+    assert spares.take(target, 500) and target.stat().st_size == 500
+    assert lease(440) is None and lease(800) is not None
+    assert spares.drop() == 900 and lease(800) is None
 
 
 def test_a_file_that_cannot_be_renamed_is_not_kept(tmp_path: Path) -> None:
@@ -232,18 +283,54 @@ async def test_a_save_is_written_over_a_file_the_slot_dir_holds(tmp_path: Path) 
             await client.aclose()
 
 
-async def test_a_node_restores_over_the_file_its_own_save_left(tmp_path: Path) -> None:
-    """In the sidecar, a save's state is let go once stored: its file is a spare the next restore
-    writes over, so a node's first restore into a slot allocates no fresh pages."""
-    doc = " ".join(f"Entry {i}: the {['red', 'blue', 'green'][i % 3]} box holds {i * 7} coins." for i in range(30))
+DOC = " ".join(f"Entry {i}: the {['red', 'blue', 'green'][i % 3]} box holds {i * 7} coins." for i in range(30))
+
+
+@contextlib.asynccontextmanager
+async def node_that_saved_doc(tmp_path: Path) -> AsyncIterator[tuple[LlamaServer, Sidecar]]:
+    """A one-slot llama-server and its sidecar, which saved ``DOC``'s answer and then another prompt's."""
     with llama_server(tmp_path) as llama:
         async with run_sidecar(Settings(llama_url=llama.url, slot_dir=str(llama.slot_dir), chunk_tokens=64,
                                         cache_size=256 << 20, prefill_tps_prior=100.0, node_id="a")) as node:
-            for text in (doc, "Something else entirely. " * 20):  # the one slot then holds another prompt
+            for text in (DOC, "Something else entirely. " * 20):  # the one slot then holds another prompt
                 assert (await post(node.url + "/completion", {"prompt": text, "n_predict": 2})).status == 200
                 await node.engine.drain(60)
-            before = spares_in(llama.slot_dir)
-            again = await post(node.url + "/completion", {"prompt": doc + " Which box?", "n_predict": 2})
-            assert again.status == 200 and again.restored > 0, again.headers
-            restored = llama.slot_dir / f"{FILE_PREFIX}restore-0.bin"
-            assert restored.stat().st_ino in before.values(), (before, restored.stat().st_ino)
+            yield llama, node
+
+
+async def test_a_node_restores_over_the_file_its_own_save_left(tmp_path: Path) -> None:
+    """In the sidecar, a save's state is let go once stored: its file is a spare the next restore
+    writes over, so a node's first restore into a slot allocates no fresh pages. (The prompt keeps
+    only a third of the saved one: a restore of most of a saved state loads its file as it is.)"""
+    async with node_that_saved_doc(tmp_path) as (llama, node):
+        before = spares_in(llama.slot_dir)
+        again = await post(node.url + "/completion", {"prompt": DOC[:len(DOC) // 3] + " Which box?", "n_predict": 2})
+        assert again.status == 200 and again.restored > 0, again.headers
+        assert again.headers["X-KVTier-Restore-Tier"] == "memory"
+        restored = llama.slot_dir / f"{FILE_PREFIX}restore-0.bin"
+        assert restored.stat().st_ino in before.values(), (before, restored.stat().st_ino)
+
+
+async def test_a_node_loads_the_file_its_own_save_left_as_it_is(tmp_path: Path) -> None:
+    """A restore of most of a state a save on this node left as a spare loads that file: nothing
+    fetched, no restore file written. The slot then holds the saved cells, byte for byte, and
+    llama-server computes only what the prompt adds to the prefix they share."""
+    async with node_that_saved_doc(tmp_path) as (llama, node):
+        before = spares_in(llama.slot_dir)
+        saved = max((llama.slot_dir / name for name in before), key=lambda p: p.stat().st_size).read_bytes()
+        again = await post(node.url + "/completion", {"prompt": DOC + " Which box holds 63 coins?", "n_predict": 2})
+        assert again.status == 200 and again.restored >= 4 * 64, again.headers
+        assert again.headers["X-KVTier-Restore-Tier"] == "file"
+        assert node.metric("kvtier_restores_total", tier="file", outcome="ok") == 1
+        assert again.prompt_n < 20, again.body["timings"]  # the question only
+        assert not (llama.slot_dir / f"{FILE_PREFIX}restore-0.bin").exists()
+        assert set(before.items()) <= set(spares_in(llama.slot_dir).items())  # loaded, not written over
+        await node.engine.drain(60)
+        client = LlamaServerClient(llama.url)
+        try:
+            now = await saved_bytes_of(client, llama.slot_dir, 0)
+        finally:
+            await client.aclose()
+    k = again.restored // 64
+    ours, theirs = split_state(parse_state(now), 64).chunks[:k], split_state(parse_state(saved), 64).chunks[:k]
+    assert len(ours) == k and [bytes(c) for c in ours] == [bytes(c) for c in theirs]
