@@ -55,7 +55,8 @@ class RestoreWriter:
         """Fetch ``found`` and load it into the leased slot, and record in the slot table what it now
         holds (for tenant ``owner``); None when no more than the slot held already arrived."""
         slot, cached = lease.slot, lease.cached_tokens
-        if (loaded := await self._saved_file(lease, namespace, found, tokens, owner=owner)) is not None:
+        if found.n_tokens > cached and (loaded := await self._saved_file(
+                lease, namespace, tokens, found.n_tokens, owner=owner, exact=found.whole, cached=cached)) is not None:
             return loaded
         t0 = time.perf_counter()
         got = await fetch_prefix(self.store, namespace, found)
@@ -79,20 +80,18 @@ class RestoreWriter:
         log.info("slot %d: restored %d tokens from %s in %.1f ms", slot, done.n_tokens, done.tier, done.ms)
         return done
 
-    async def _saved_file(self, lease: Lease, namespace: Namespace, found: PrefixFound, tokens: np.ndarray, *,
-                          owner: str) -> Restored | None:
-        """Load the file a save on this node left in the slot dir, when it still holds ``found``'s
-        state (``SlotFiles.restore_saved``), and record it; None when none does.
+    async def _saved_file(self, lease: Lease, namespace: Namespace, tokens: np.ndarray, n: int, *, owner: str,
+                          exact: bool, cached: int) -> Restored | None:
+        """Load the file a save on this node left in the slot dir, when it still holds the state of
+        ``tokens[:n]`` (``SlotFiles.restore_saved``), and record it; None when none does.
 
-        A state of plain KV may hold up to twice the prefix's tokens: llama-server keeps the cells
-        the prompt shares with it and drops the rest, as after its own cached prompts. One with a
-        rest (sliding window, recurrent) must hold exactly the prefix, whose end its rest is.
+        A state of plain KV may hold up to twice the prefix's tokens (not ``exact``): llama-server
+        keeps the cells the prompt shares with it and drops the rest, as after its own cached
+        prompts. One with a rest (sliding window, recurrent) must hold exactly the prefix, whose
+        end its rest is; a session's, exactly the session's tokens.
         """
-        n, cached = found.n_tokens, lease.cached_tokens
-        if n <= cached:
-            return None
         t0 = time.perf_counter()
-        loaded = await self.files.restore_saved(lease.slot, namespace, tokens, n, exact=found.whole)
+        loaded = await self.files.restore_saved(lease.slot, namespace, tokens, n, exact=exact)
         if loaded is None:
             return None
         io, held = loaded
@@ -113,6 +112,9 @@ class RestoreWriter:
         Raises:
             SessionIncomplete: a chunk or the tail is gone. LlamaServerError: the restore was refused.
         """
+        if (loaded := await self._saved_file(lease, namespace, manifest.tokens, manifest.tokens.size, owner=owner,
+                                             exact=True, cached=cached)) is not None:
+            return loaded
         t0 = time.perf_counter()
         image = await session_image(self.sessions, namespace, manifest, v_trans=target.v_trans,
                                     n_stream=target.n_stream)

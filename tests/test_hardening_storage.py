@@ -238,6 +238,28 @@ async def test_a_damaged_manifest_is_reported_skipped_deleted_and_saved_over(pai
     assert status == 200 and deleted["deleted"] is True and not r.exists(session_key(ns, ids[0]))
 
 
+async def test_a_session_restored_where_it_was_saved_loads_the_file_its_save_left(pair: Pair) -> None:
+    """While the file a session's save left in the slot dir is there, a restore of that session on
+    the same node loads it as it is: nothing fetched, no restore file written."""
+    a = pair.a
+    sid = "file-" + uuid.uuid4().hex[:6]
+    text = "Saved file test. " + DOC[500:1300] + "\nQuestion: which box holds 63 coins?\nAnswer:"
+    first = await post(a.url + "/completion", completion(text), headers={**AUTH, "X-Session-Id": sid})
+    assert first.status == 200
+    await settle(a)
+    assert (await post(a.url + "/completion", completion("Something else entirely."))).status == 200
+    await settle(a)
+    loaded = a.metric("kvtier_restores_total", tier="file", outcome="ok")
+    manifest = await a.engine.sessions.load(a.engine.target.namespace, sid)
+    follow = completion(text + first.content + "\nQuestion: and which holds 77?\nAnswer:")
+    on_a = await post(a.url + "/completion", follow, headers={**AUTH, "X-Session-Id": sid})
+    assert on_a.status == 200 and on_a.headers["X-KVTier-Restore-Tier"] == "file", on_a.headers
+    assert on_a.restored == manifest.n_tokens
+    assert a.metric("kvtier_restores_total", tier="file", outcome="ok") == loaded + 1
+    assert on_a.prompt_n < int(on_a.headers["X-KVTier-Prompt-Tokens"]) - on_a.restored + 8
+    await settle(a)
+
+
 # -- 7: a session while Redis is down ------------------------------------------------------------
 
 
@@ -256,7 +278,8 @@ async def test_a_session_restores_from_the_local_tiers_while_redis_is_down(pair:
         follow = completion(text + first.content + "\nQuestion: and which holds 77?\nAnswer:")
         on_a = await post(a.url + "/completion", follow, headers={**AUTH, "X-Session-Id": sid})
         assert on_a.status == 200
-        assert on_a.restored > 0 and on_a.headers["X-KVTier-Restore-Tier"] == "memory", on_a.headers
+        # From this node's own copies: the RAM tier, or the file its save left in the slot dir.
+        assert on_a.restored > 0 and on_a.headers["X-KVTier-Restore-Tier"] in ("memory", "file"), on_a.headers
         assert on_a.prompt_n < int(on_a.headers["X-KVTier-Prompt-Tokens"]) - on_a.restored + 8
         await a.engine.drain(60)
         # This node's copy follows its own saves: the next turn restores the longer session.
