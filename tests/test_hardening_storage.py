@@ -23,7 +23,7 @@ from integrations.kvflow import fetch_prefix, find_prefix
 from sidecar.app import build_store
 from sidecar.config import Settings
 from tests.servers import DEFAULT_LLAMA_ARGS, LlamaServer, RedisProc, llama_server, redis_server, smollm2_path
-from tests.sidecars import Sidecar, post, run_sidecar
+from tests.sidecars import Answer, Sidecar, post, run_sidecar
 from tests.test_sessions_api import AUTH, TOKEN, call
 from tiers.codec import BlobCodec, Flags
 from tiers.keys import Namespace, chunk_key, prefix_chain, session_key, tail_hash_after, tail_key
@@ -238,17 +238,24 @@ async def test_a_damaged_manifest_is_reported_skipped_deleted_and_saved_over(pai
     assert status == 200 and deleted["deleted"] is True and not r.exists(session_key(ns, ids[0]))
 
 
+async def session_then_another_prompt(node: Sidecar, sid: str, text: str) -> Answer:
+    """``text`` answered and saved as session ``sid`` on ``node``, whose slot then serves another prompt."""
+    first = await post(node.url + "/completion", completion(text), headers={**AUTH, "X-Session-Id": sid})
+    assert first.status == 200
+    await settle(node)
+    other = await post(node.url + "/completion", completion("Something else entirely."))  # the slot forgets it
+    assert other.status == 200
+    await settle(node)
+    return first
+
+
 async def test_a_session_restored_where_it_was_saved_loads_the_file_its_save_left(pair: Pair) -> None:
     """While the file a session's save left in the slot dir is there, a restore of that session on
     the same node loads it as it is: nothing fetched, no restore file written."""
     a = pair.a
     sid = "file-" + uuid.uuid4().hex[:6]
     text = "Saved file test. " + DOC[500:1300] + "\nQuestion: which box holds 63 coins?\nAnswer:"
-    first = await post(a.url + "/completion", completion(text), headers={**AUTH, "X-Session-Id": sid})
-    assert first.status == 200
-    await settle(a)
-    assert (await post(a.url + "/completion", completion("Something else entirely."))).status == 200
-    await settle(a)
+    first = await session_then_another_prompt(a, sid, text)
     loaded = a.metric("kvtier_restores_total", tier="file", outcome="ok")
     manifest = await a.engine.sessions.load(a.engine.target.namespace, sid)
     follow = completion(text + first.content + "\nQuestion: and which holds 77?\nAnswer:")
@@ -267,12 +274,7 @@ async def test_a_session_restores_from_the_local_tiers_while_redis_is_down(pair:
     a = pair.a
     sid = "down-" + uuid.uuid4().hex[:6]
     text = "Outage test. " + DOC[300:1100] + "\nQuestion: which box holds 70 coins?\nAnswer:"
-    first = await post(a.url + "/completion", completion(text), headers={**AUTH, "X-Session-Id": sid})
-    assert first.status == 200
-    await settle(a)
-    other = await post(a.url + "/completion", completion("Something else entirely."))  # the slot forgets it
-    assert other.status == 200
-    await settle(a)
+    first = await session_then_another_prompt(a, sid, text)
     pair.redis.stop()
     try:
         follow = completion(text + first.content + "\nQuestion: and which holds 77?\nAnswer:")
