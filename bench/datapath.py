@@ -81,6 +81,7 @@ A_ANSWER = 32  # tokens of user A's answer in the stall test (B starts at its fi
 SLOT_MARGIN = 320  # tokens per slot beyond the prompt (new tokens, answers)
 PHASES = ("fetch", "assemble", "write", "queue", "llama")
 POLL_S = 0.02
+MIB = 1 << 20
 
 
 def model_8b() -> str:
@@ -128,6 +129,14 @@ class ProcTimes:
 def sidecar_pid(node: Node) -> int:
     assert node.sidecar is not None and node.sidecar.proc is not None
     return node.sidecar.proc.pid
+
+
+def peak_rss_mib(pid: int) -> float | None:
+    """The most resident memory process ``pid`` has held so far (``VmHWM``), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return round(int(line.split()[1]) / 1024, 1)
+    return None
 
 
 def gbps(nbytes: float, seconds: float) -> float | None:
@@ -413,6 +422,8 @@ async def kvtier_rep(s: aiohttp.ClientSession, cl: Cluster, redis_url: str, n: i
     stall_prompt = await exact_tokens(s, tok, n, seed=200 + r)
     b_prompt = await exact_tokens(s, tok, 64, seed=900 + r)
     out["stall_kvtier"] = await kvtier_stall(s, cl, redis_url, stall_prompt, b_prompt, a.b_tokens)
+    # Each sidecar's peak so far: its saves (A) and restores (B, then A), this size's reps up to now.
+    out["peak_rss_mib"] = {"a": peak_rss_mib(sidecar_pid(node_a)), "b": peak_rss_mib(sidecar_pid(node_b))}
     return out
 
 
@@ -538,6 +549,12 @@ def cpu_rows(n: int, al: list[dict[str, Any]], kv: list[dict[str, Any]]) -> list
         xs = [x[key] for x in kv]
         rows.append([n, f"kvtier CPU s per GB {label}", med(xs, "cpu_s_per_gb"), None, None,
                      f"user {med(xs, 'user_s')} + sys {med(xs, 'sys_s')} s; fresh pages {med(xs, 'fault_passes')}x"])
+    budget = (2 << 30) + 4 * CHUNK_TOKENS * KV_BYTES_PER_TOKEN  # the default --cache-size, and 4 chunks
+    peaks = [x["peak_rss_mib"] for x in kv if "peak_rss_mib" in x]
+    if peaks:
+        rows.append([n, "sidecar peak RSS, MiB (node A saves / node B restores)", None, None, None,
+                     (f"{max(p['a'] or 0 for p in peaks):,.0f} / {max(p['b'] or 0 for p in peaks):,.0f}; "
+                      f"RAM tier budget + 4 chunks: {budget / MIB:,.0f}")])
     loads = [x["load_avg"][0] for x in al] + [x[k]["load_avg"][0] for x in kv for k in ("save", "restore_other")]
     rows.append([n, "load average (1 min) seen", None, None, None, f"{min(loads)} to {max(loads)}"])
     return rows
