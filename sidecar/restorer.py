@@ -95,6 +95,8 @@ class RestoreWriter:
         if loaded is None:
             return None
         io, held = loaded
+        # The queue wait is learned as ever; no restore rate: this is not the rate of a restore
+        # from the tiers, which is what the cost model prices.
         self._observe(io, 0.0, lease.table.computing - 1)
         # No tail recorded: without reading it, the tail found may be a reference, which is no
         # tail of this context (``restored_tail``) and must not be deleted as one.
