@@ -144,10 +144,12 @@ class SpareFiles:
         """A spare holding a state of ``namespace`` whose tokens begin with ``tokens[:n]``: of just
         those with ``exact``, else of up to twice as many (the fewest), set aside from ``take``
         until ``give_back``. Returns its name, its size and the tokens it holds; None when none does."""
+        if tokens.size < n:
+            return None
         with self._lock:
             fits = [(held.size, name) for name, (ns, held) in self._held.items()
                     if name not in self._busy and ns == namespace and n <= held.size <= (n if exact else 2 * n)
-                    and tokens.size >= n and np.array_equal(held[:n], tokens[:n])]
+                    and np.array_equal(held[:n], tokens[:n])]
             if not fits:
                 return None
             name = min(fits)[1]
