@@ -130,7 +130,7 @@ class EventBus:
                 log.log(level, "subscription to %s on %s lost: %s", channel, conn.url, exc)
             finally:
                 with suppress(Exception):
-                    await pubsub.aclose()  # type: ignore[no-untyped-call]  # unannotated in redis-py
+                    await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]  # unannotated before redis-py 8.2
                 if owned:
                     with suppress(Exception):
                         await client.aclose()

@@ -157,7 +157,7 @@ def _sentinel(o: ClientOptions) -> Clients:
                                            **t.ssl_kwargs())
     if t.sentinel_password is not None:
         sentinel_kwargs.update(username=o.username, password=t.sentinel_password)
-    sentinel = Sentinel(  # type: ignore[no-untyped-call]  # redis-py leaves it unannotated
+    sentinel = Sentinel(  # type: ignore[no-untyped-call, unused-ignore]  # unannotated before redis-py 8.2
         list(t.hosts), sentinel_kwargs=sentinel_kwargs, **kwargs)
     assert t.service_name is not None
     return Clients(sentinel.master_for(t.service_name, db=t.db, max_connections=o.max_connections), kwargs, sentinel)
