@@ -1,13 +1,16 @@
-"""``python -m bench datapath``: issue #28's data path at an 8B model's KV size, floors and kvtier
+"""``python -m bench datapath``: issue #28's data path at real models' KV sizes, floors and kvtier
 side by side in one run.
 
-    python -m bench datapath                 # 4,000 and 8,000 tokens, 3 reps (~30-60 min on 2 cores)
-    python -m bench datapath --quick         # 4,000 tokens, 1 rep
-    python -m bench datapath --sizes 2000 --reps 2 --b-tokens 300 --json /tmp/dp.json
+    python -m bench datapath                 # SmolLM2 4k, 8B 4k and 8k, 70B 2k; 3 reps (~1.5 h on 2 cores)
+    python -m bench datapath --quick         # 8B 4,000 tokens, 1 rep
+    python -m bench datapath --sizes 2000,70b:1000 --reps 2 --b-tokens 300 --json /tmp/dp.json
 
-The model has random weights (``tests/ggufgen.py``) and Llama-3-8B's KV shape: 32 layers, 8 KV
-heads of 128, f16, 128 KiB per token (1 GiB per 8k-token slot); generated once into
-``$KVTIER_CACHE/models``. Every llama-server runs ``-np 2 -t THREADS --cache-ram 0``, slots on
+``--sizes`` lists runs as ``[SHAPE:]TOKENS`` (the shape is ``8b`` unless named):
+- ``8b``: random weights (``tests/ggufgen.py``) with Llama-3-8B's KV shape, 32 layers, 8 KV heads of
+  128, f16: 128 KiB per token (1 GiB per 8k-token slot);
+- ``70b``: the same with 80 layers, a 70B's 320 KiB per token;
+- ``smollm2``: SmolLM2-135M itself, 22.5 KiB per token.
+The random models are generated once into ``$KVTIER_CACHE/models``. Every llama-server runs ``-np 2 -t THREADS --cache-ram 0``, slots on
 /dev/shm; kvtier runs two nodes on one Valkey. Rows per prompt size, medians over the reps:
 
 - floors: llama-server's own save of the slot (``save_ms``) and restore of that file
@@ -70,10 +73,14 @@ from .common import (
     write_json,
 )
 
-# Llama-3-8B's KV: 32 layers x (K + V) x 8 KV heads x 128 x 2 bytes (f16) = 128 KiB per token.
-SHAPE = {"n_layer": 32, "n_embd": 256, "n_head": 8, "n_head_kv": 8, "head_dim": 128, "n_ff": 512}
-KV_BYTES_PER_TOKEN = 2 * 32 * 8 * 128 * 2
-MODEL_NAME = "kvtier-random-l32-e256-h8-kv8x128-ff512.gguf"
+# The generated models' shapes: Llama-3-8B's KV is 32 layers x (K + V) x 8 KV heads x 128 x 2 bytes
+# (f16) = 128 KiB per token; a 70B's is the same with 80 layers. None: SmolLM2-135M itself.
+SHAPES: dict[str, dict[str, int] | None] = {
+    "8b": {"n_layer": 32, "n_embd": 256, "n_head": 8, "n_head_kv": 8, "head_dim": 128, "n_ff": 512},
+    "70b": {"n_layer": 80, "n_embd": 256, "n_head": 8, "n_head_kv": 8, "head_dim": 128, "n_ff": 512},
+    "smollm2": None,
+}
+SMOLLM2_KV_BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 2  # 30 layers x (K + V) x 3 KV heads x 64, f16
 CHUNK_TOKENS = 256  # kvtier's chunk, and the raw Redis floor's piece (32 MiB)
 NEW_TOKENS = 16  # appended to a saved prompt for a restore
 OTHER_TOKENS = 512  # the prompts that overwrite a node's slots before the same-node restore
@@ -84,19 +91,49 @@ POLL_S = 0.02
 MIB = 1 << 20
 
 
-def model_8b() -> str:
-    """The 8B-KV-shaped random model, generated once into the kvtier cache."""
+def kv_per_token(shape: str) -> int:
+    """Bytes of K and V per token (f16) of a ``SHAPES`` entry."""
+    dims = SHAPES[shape]
+    if dims is None:
+        return SMOLLM2_KV_BYTES_PER_TOKEN
+    return 2 * dims["n_layer"] * dims["n_head_kv"] * dims["head_dim"] * 2
+
+
+def model_name(shape: str) -> str:
+    dims = SHAPES[shape]
+    if dims is None:
+        return Path(smollm2_path()).name
+    return "kvtier-random-l{n_layer}-e{n_embd}-h{n_head}-kv{n_head_kv}x{head_dim}-ff{n_ff}.gguf".format(**dims)
+
+
+def model_path(shape: str) -> str:
+    """The model of a ``SHAPES`` entry; a random one is generated once into the kvtier cache."""
+    dims = SHAPES[shape]
+    if dims is None:
+        return smollm2_path()
     cache = Path(os.environ.get("KVTIER_CACHE", Path.home() / ".cache" / "kvtier")) / "models"
-    path = cache / MODEL_NAME
+    path = cache / model_name(shape)
     if not path.exists():
         from tests.ggufgen import ModelShape, write_random_llama
 
         cache.mkdir(parents=True, exist_ok=True)
         console.print(f"datapath: generating {path.name}")
         tmp = path.with_suffix(".partial")
-        write_random_llama(tmp, smollm2_path(), ModelShape(**SHAPE))
+        write_random_llama(tmp, smollm2_path(), ModelShape(**dims))
         tmp.rename(path)
     return str(path)
+
+
+def parse_runs(spec: str) -> list[tuple[str, int]]:
+    """``--sizes``: ``[SHAPE:]TOKENS`` entries, comma-separated, as (shape, tokens)."""
+    runs = []
+    for entry in (x.strip() for x in spec.split(",") if x.strip()):
+        shape, _, tokens = entry.rpartition(":")
+        shape = shape or "8b"
+        if shape not in SHAPES:
+            raise SystemExit(f"--sizes: unknown shape {shape!r} (one of {', '.join(SHAPES)})")
+        runs.append((shape, int(tokens)))
+    return runs
 
 
 def llama_args(n_tokens: int, threads: int) -> list[str]:
@@ -285,13 +322,24 @@ async def llama_floor(s: aiohttp.ClientSession, node: Node, redis_url: str, conn
     finally:
         path.unlink(missing_ok=True)
     save_ms, restore_ms = float(saved["timings"]["save_ms"]), float(restored["timings"]["restore_ms"])
-    piece = CHUNK_TOKENS * KV_BYTES_PER_TOKEN
+    piece = max(1, len(data) * CHUNK_TOKENS // max(1, int(saved["n_saved"])))  # kvtier's chunk, about
     out: dict[str, Any] = {
         "n_saved": int(saved["n_saved"]), "file_bytes": len(data), "save_ms": save_ms, "restore_ms": restore_ms,
         "save_gbps": gbps(len(data), save_ms / 1e3), "restore_gbps": gbps(len(data), restore_ms / 1e3),
+        "piece_bytes": piece,
         "redis": [await redis_floor(redis_url, memoryview(data), c, piece) for c in conns]}
     out["steps"] = {"read_ms": round(read_ms, 1), **save_steps(data)}
     return out
+
+
+async def next_turn(s: aiohttp.ClientSession, url: str, prompt: list[int], extra: list[int],
+                    after_s: float) -> dict[str, Any]:
+    """A conversation's next turn (``prompt`` + ``extra``), sent ``after_s`` after ``prompt``'s answer
+    ended: through kvtier, while that answer's save is in flight. Its TTFT and tokens computed."""
+    await complete(s, url, prompt, 4)
+    await asyncio.sleep(after_s)
+    reply = await complete(s, url, prompt + extra, 4)
+    return {"ttft_ms": reply.ttft_ms, "prompt_n": reply.recomputed_tokens, "load_avg": load_avg()}
 
 
 async def alone_rep(s: aiohttp.ClientSession, node: Node, redis_url: str, n: int, r: int,
@@ -313,6 +361,7 @@ async def alone_rep(s: aiohttp.ClientSession, node: Node, redis_url: str, n: int
         return {"save_s": round(time.perf_counter() - t0, 3), "save_ms": float(saved["timings"]["save_ms"])}
 
     out["stall_llama"] = await stall_round(s, url, body(prompt + extra, A_ANSWER, id_slot=0), url, b_body, llama_save)
+    out["next_turn"] = await next_turn(s, url, await exact_tokens(s, url, n, seed=300 + r), extra, a.next_after_ms / 1e3)
     return out
 
 
@@ -340,7 +389,8 @@ async def redis_holds(url: str, chunks: int, tails: int, since: float, timeout: 
     raise TimeoutError(f"Redis did not hold {chunks} chunks in {timeout:.0f} s")
 
 
-async def kvtier_save(s: aiohttp.ClientSession, cl: Cluster, redis_url: str, prompt: list[int]) -> dict[str, Any]:
+async def kvtier_save(s: aiohttp.ClientSession, cl: Cluster, redis_url: str, prompt: list[int],
+                      per_token: int) -> dict[str, Any]:
     """A completion through node A's sidecar; from its end until Redis holds the chunks and the tail."""
     node, urls = cl.nodes[0], [n.sidecar_url for n in cl.nodes]
     base = await key_counts(redis_url)
@@ -352,7 +402,7 @@ async def kvtier_save(s: aiohttp.ClientSession, cl: Cluster, redis_url: str, pro
     c1 = ProcTimes.of(sidecar_pid(node))
     m1 = await scrape(s, node.sidecar_url)
     readable = delta(m1, m0, "kvtier_save_readable_seconds_sum")
-    kv = len(prompt) * KV_BYTES_PER_TOKEN
+    kv = len(prompt) * per_token
     return {"readable_ms": round(1e3 * readable, 1), "client_ms": round(1e3 * client_s, 1),
             "save_seconds_ms": round(1e3 * delta(m1, m0, "kvtier_save_seconds_sum"), 1),
             "saves": delta(m1, m0, "kvtier_save_readable_seconds_count"), "gbps": gbps(kv, readable),
@@ -361,7 +411,8 @@ async def kvtier_save(s: aiohttp.ClientSession, cl: Cluster, redis_url: str, pro
             "prompt_n": reply.recomputed_tokens, "load_avg": load_avg()}
 
 
-async def kvtier_restore(s: aiohttp.ClientSession, cl: Cluster, node: Node, prompt: list[int]) -> dict[str, Any]:
+async def kvtier_restore(s: aiohttp.ClientSession, cl: Cluster, node: Node, prompt: list[int],
+                         per_token: int) -> dict[str, Any]:
     """The prompt through ``node``'s sidecar: its restore's time by phase, TTFT, prompt_n, CPU."""
     m0 = await scrape(s, node.sidecar_url)
     c0 = ProcTimes.of(sidecar_pid(node))
@@ -370,7 +421,7 @@ async def kvtier_restore(s: aiohttp.ClientSession, cl: Cluster, node: Node, prom
     m1 = await scrape(s, node.sidecar_url)
     await wait_idle(s, [n.sidecar_url for n in cl.nodes])
     restore_s = delta(m1, m0, "kvtier_restore_seconds_sum")
-    kv = reply.restored_tokens * KV_BYTES_PER_TOKEN
+    kv = reply.restored_tokens * per_token
     return {"restore_ms": round(1e3 * restore_s, 1), "gbps": gbps(kv, restore_s),
             "phases_ms": {p: round(1e3 * delta(m1, m0, "kvtier_restore_phase_seconds_sum", phase=p), 1)
                           for p in PHASES},
@@ -402,8 +453,9 @@ async def kvtier_stall(s: aiohttp.ClientSession, cl: Cluster, redis_url: str, pr
 
 
 async def kvtier_rep(s: aiohttp.ClientSession, cl: Cluster, redis_url: str, n: int, r: int,
-                     a: argparse.Namespace) -> dict[str, Any]:
-    """Save on node A, restore on node B (Redis), then on A after its slots were overwritten (RAM); stall."""
+                     a: argparse.Namespace, per_token: int) -> dict[str, Any]:
+    """Save on node A, restore on node B (Redis), then on A after its slots were overwritten (its
+    saved file); a next turn while the save is in flight; stall."""
     node_a, node_b = cl.nodes
     urls = [x.sidecar_url for x in cl.nodes]
     # An empty Redis (its memory), but not a purge: that would also remove the restore files each
@@ -411,14 +463,19 @@ async def kvtier_rep(s: aiohttp.ClientSession, cl: Cluster, redis_url: str, n: i
     await redis_flush(redis_url)
     tok = node_a.llama_url
     prompt = await exact_tokens(s, tok, n, seed=100 + r)
-    out: dict[str, Any] = {"rep": r, "save": await kvtier_save(s, cl, redis_url, prompt)}
+    out: dict[str, Any] = {"rep": r, "save": await kvtier_save(s, cl, redis_url, prompt, per_token)}
     other_end = await exact_tokens(s, tok, NEW_TOKENS, seed=960 + r)
-    out["restore_other"] = await kvtier_restore(s, cl, node_b, prompt + other_end)
+    out["restore_other"] = await kvtier_restore(s, cl, node_b, prompt + other_end, per_token)
     for k in range(2):  # both of A's slots now hold other prompts (least recently used first)
         await complete(s, node_a.sidecar_url, await exact_tokens(s, tok, OTHER_TOKENS, seed=700 + 10 * r + k), 4)
     await wait_idle(s, urls)
     same_end = await exact_tokens(s, tok, NEW_TOKENS, seed=970 + r)  # not B's: its tail is in Redis only
-    out["restore_same"] = await kvtier_restore(s, cl, node_a, prompt + same_end)
+    out["restore_same"] = await kvtier_restore(s, cl, node_a, prompt + same_end, per_token)
+    m0 = await scrape(s, node_a.sidecar_url)
+    out["next_turn"] = await next_turn(s, node_a.sidecar_url, await exact_tokens(s, tok, n, seed=300 + r),
+                                       await exact_tokens(s, tok, NEW_TOKENS, seed=950 + r), a.next_after_ms / 1e3)
+    out["next_turn"]["saves_skipped"] = delta(await scrape(s, node_a.sidecar_url), m0, "kvtier_saves_skipped_total")
+    await wait_idle(s, urls)
     stall_prompt = await exact_tokens(s, tok, n, seed=200 + r)
     b_prompt = await exact_tokens(s, tok, 64, seed=900 + r)
     out["stall_kvtier"] = await kvtier_stall(s, cl, redis_url, stall_prompt, b_prompt, a.b_tokens)
@@ -430,14 +487,16 @@ async def kvtier_rep(s: aiohttp.ClientSession, cl: Cluster, redis_url: str, n: i
 # -- run and report -------------------------------------------------------------------------------
 
 
-async def run_size(a: argparse.Namespace, n: int, redis_url: str, model: str) -> dict[str, Any]:
-    out: dict[str, Any] = {"n_tokens": n, "kv_bytes": n * KV_BYTES_PER_TOKEN}
+async def run_size(a: argparse.Namespace, shape: str, n: int, redis_url: str) -> dict[str, Any]:
+    per_token, model = kv_per_token(shape), model_path(shape)
+    out: dict[str, Any] = {"shape": shape, "model": model_name(shape), "kv_per_token": per_token,
+                           "n_tokens": n, "kv_bytes": n * per_token}
     await redis_flush(redis_url)
     with cluster(1, llama_args(n, a.threads), sidecar=False, redis_url=None, model=model) as cl:
         async with client_session() as s:
             out["alone"] = []
             for r in range(a.reps):
-                console.print(f"datapath: {n} tokens, llama-server alone, rep {r + 1}/{a.reps}")
+                console.print(f"datapath: {shape}, {n} tokens, llama-server alone, rep {r + 1}/{a.reps}")
                 out["alone"].append(await alone_rep(s, cl.nodes[0], redis_url, n, r, a))
     await redis_flush(redis_url)
     with cluster(2, llama_args(n, a.threads), sidecar=True, redis_url=redis_url, model=model) as cl:
@@ -448,8 +507,8 @@ async def run_size(a: argparse.Namespace, n: int, redis_url: str, model: str) ->
             out["kvtier"] = []
             try:
                 for r in range(a.reps):
-                    console.print(f"datapath: {n} tokens, kvtier, rep {r + 1}/{a.reps}")
-                    out["kvtier"].append(await kvtier_rep(s, cl, redis_url, n, r, a))
+                    console.print(f"datapath: {shape}, {n} tokens, kvtier, rep {r + 1}/{a.reps}")
+                    out["kvtier"].append(await kvtier_rep(s, cl, redis_url, n, r, a, per_token))
             except Exception:
                 await show_state(s, cl)  # the logs go with the cluster's directory
                 raise
@@ -487,9 +546,15 @@ def pct(floor_ms: float | None, ms: float | None) -> float | None:
     return round(100 * floor_ms / ms, 1) if floor_ms and ms else None
 
 
+def run_label(res: dict[str, Any]) -> str:
+    """A run's name in the table: its KV shape and prompt size (runs before shapes were 8B)."""
+    return f"{res.get('shape', '8b')} {res['n_tokens']:,}"
+
+
 def size_rows(res: dict[str, Any], conns: list[int]) -> list[list[Any]]:
     """The table's rows of one prompt size (medians over the reps)."""
-    n, al, kv = res["n_tokens"], res["alone"], res["kvtier"]
+    al, kv = res["alone"], res["kvtier"]
+    run = run_label(res)
     fl = [x["floor"] for x in al]
     restore_floor = med(fl, "restore_ms")
     # The floors the issue names, per rep: llama-server's own save and the fastest raw SET of the
@@ -499,34 +564,35 @@ def size_rows(res: dict[str, Any], conns: list[int]) -> list[list[Any]]:
              "restore": x["restore_ms"] + min(r["get_ms"] for r in x["redis"])} for x in fl]
     save_floor, redis_floor = med(both, "save"), med(both, "restore")
     rows: list[list[Any]] = [
-        [n, "floor: llama-server save (slot -> file)", med(fl, "save_ms"), med(fl, "save_gbps"), None, ""],
-        [n, "floor: llama-server restore (file -> slot)", restore_floor, med(fl, "restore_gbps"), None, ""]]
+        [run, "floor: llama-server save (slot -> file)", med(fl, "save_ms"), med(fl, "save_gbps"), None, ""],
+        [run, "floor: llama-server restore (file -> slot)", restore_floor, med(fl, "restore_gbps"), None, ""]]
     for i, c in enumerate(conns):
         redis = [x["redis"][i] for x in fl]
-        rows += [[n, f"floor: Redis SET, {c} conn", med(redis, "set_ms"), med(redis, "set_gbps"), None, "32 MiB values"],
-                 [n, f"floor: Redis GET, {c} conn", med(redis, "get_ms"), med(redis, "get_gbps"), None, ""]]
-    rows += [[n, "floor: to Redis (llama-server save + fastest SET)", save_floor, None, None, "the save's floor"],
-             [n, "floor: from Redis (fastest GET + llama-server restore)", redis_floor, None, None,
+        rows += [[run, f"floor: Redis SET, {c} conn", med(redis, "set_ms"), med(redis, "set_gbps"), None,
+                  f"{med(fl, 'piece_bytes') or 32 * MIB:,.0f}-byte values"],
+                 [run, f"floor: Redis GET, {c} conn", med(redis, "get_ms"), med(redis, "get_gbps"), None, ""]]
+    rows += [[run, "floor: to Redis (llama-server save + fastest SET)", save_floor, None, None, "the save's floor"],
+             [run, "floor: from Redis (fastest GET + llama-server restore)", redis_floor, None, None,
               "the other node's restore's floor; the same node's is llama-server's restore"]]
     steps = [x["steps"] for x in fl]
-    rows.append([n, "save steps offline (bench process)", None, None, None,
+    rows.append([run, "save steps offline (bench process)", None, None, None,
                  " / ".join(f"{k[:-3]} {num(med(steps, k))}" for k in ("read_ms", "parse_ms", "split_ms", "encode_ms"))
                  + " ms"])
-    rows.append([n, "recompute (prefill)", med(al, "recompute_ms"), None, None, ""])
+    rows.append([run, "recompute (prefill)", med(al, "recompute_ms"), None, None, ""])
     sv = [x["save"] for x in kv]
-    rows += [[n, "kvtier save: answer end -> Redis holds", med(sv, "readable_ms"), med(sv, "gbps"),
+    rows += [[run, "kvtier save: answer end -> Redis holds", med(sv, "readable_ms"), med(sv, "gbps"),
               pct(save_floor, med(sv, "readable_ms")), "sidecar's save_readable_seconds"],
-             [n, "  the same, client polling Redis", med(sv, "client_ms"), med(sv, "client_gbps"),
+             [run, "  the same, client polling Redis", med(sv, "client_ms"), med(sv, "client_gbps"),
               pct(save_floor, med(sv, "client_ms")), ""],
-             [n, "  until the local tiers hold it", med(sv, "save_seconds_ms"), None, None, "save_seconds"]]
+             [run, "  until the local tiers hold it", med(sv, "save_seconds_ms"), None, None, "save_seconds"]]
     for key, label in (("restore_other", "other node"), ("restore_same", "same node")):
         rs = [x[key] for x in kv]
         tiers = ",".join(sorted({x["tier"] for x in rs}))
-        rows.append([n, f"kvtier restore, {label} ({tiers})", med(rs, "restore_ms"), med(rs, "gbps"),
+        rows.append([run, f"kvtier restore, {label} ({tiers})", med(rs, "restore_ms"), med(rs, "gbps"),
                      pct(redis_floor if key == "restore_other" else restore_floor, med(rs, "restore_ms")),
                      (f"TTFT {num(med(rs, 'ttft_ms'))} ms, computed {num(med(rs, 'prompt_n'))}, "
                       f"restored {num(med(rs, 'restored_tokens'))}")])
-        rows.append([n, "  fetch / assemble / write / queue / llama-server", None, None, None,
+        rows.append([run, "  fetch / assemble / write / queue / llama-server", None, None, None,
                      " / ".join(num(med(rs, "phases_ms", p)) for p in PHASES)
                      + f" ms; all before forwarding {num(med(rs, 'overhead_ms'))} ms"])
     for key, label, src in (("stall_none", "no save", al), ("stall_llama", "llama-server save", al),
@@ -537,61 +603,79 @@ def size_rows(res: dict[str, Any], conns: list[int]) -> list[list[Any]]:
             covered = sum(x["covered"] for x in st)
             detail += (f"; save {num(1e3 * (med(st, 'save_s') or 0))} ms, B in it {med(st, 'b_tps_during_save')} "
                        f"tok/s, covered {covered}/{len(st)}")
-        rows.append([n, f"user B's longest gap: {label}", med(st, "max_gap_ms"), None, None, detail])
-    return rows + cpu_rows(n, al, kv)
+        rows.append([run, f"user B's longest gap: {label}", med(st, "max_gap_ms"), None, None, detail])
+    return rows + next_turn_rows(run, al, kv) + cpu_rows(run, al, kv, res.get("kv_per_token", 128 << 10))
 
 
-def cpu_rows(n: int, al: list[dict[str, Any]], kv: list[dict[str, Any]]) -> list[list[Any]]:
+def next_turn_rows(run: str, al: list[dict[str, Any]], kv: list[dict[str, Any]]) -> list[list[Any]]:
+    """The next turn's TTFT alone (nothing saved) and through kvtier (its save in flight)."""
+    alone, kvtier = [x["next_turn"] for x in al if "next_turn" in x], [x["next_turn"] for x in kv if "next_turn" in x]
+    if not alone or not kvtier:
+        return []
+    a_ms, k_ms = med(alone, "ttft_ms"), med(kvtier, "ttft_ms")
+    ratio = round(k_ms / a_ms, 2) if a_ms and k_ms else None
+    skipped = sum(x.get("saves_skipped", 0) for x in kvtier)
+    return [[run, "next turn TTFT: llama-server alone (no save)", a_ms, None, None,
+             f"computed {num(med(alone, 'prompt_n'))}"],
+            [run, "next turn TTFT: kvtier, the answer's save in flight", k_ms, None, None,
+             f"{ratio}x alone; computed {num(med(kvtier, 'prompt_n'))}; saves skipped {skipped:.0f}/{len(kvtier)}"]]
+
+
+def cpu_rows(run: str, al: list[dict[str, Any]], kv: list[dict[str, Any]], per_token: int) -> list[list[Any]]:
     """The sidecar's CPU per GB (user / system seconds, minor faults), and the load average seen."""
     rows = []
     for key, label in (("save", "saved"), ("restore_other", "restored (other node)"),
                        ("restore_same", "restored (same node)")):
         xs = [x[key] for x in kv]
-        rows.append([n, f"kvtier CPU s per GB {label}", med(xs, "cpu_s_per_gb"), None, None,
+        rows.append([run, f"kvtier CPU s per GB {label}", med(xs, "cpu_s_per_gb"), None, None,
                      f"user {med(xs, 'user_s')} + sys {med(xs, 'sys_s')} s; fresh pages {med(xs, 'fault_passes')}x"])
-    budget = (2 << 30) + 4 * CHUNK_TOKENS * KV_BYTES_PER_TOKEN  # the default --cache-size, and 4 chunks
+    budget = (2 << 30) + 4 * CHUNK_TOKENS * per_token  # the default --cache-size, and 4 chunks
     peaks = [x["peak_rss_mib"] for x in kv if "peak_rss_mib" in x]
     if peaks:
-        rows.append([n, "sidecar peak RSS, MiB (node A saves / node B restores)", None, None, None,
+        rows.append([run, "sidecar peak RSS, MiB (node A saves / node B restores)", None, None, None,
                      (f"{max(p['a'] or 0 for p in peaks):,.0f} / {max(p['b'] or 0 for p in peaks):,.0f}; "
                       f"RAM tier budget + 4 chunks: {budget / MIB:,.0f}")])
     loads = [x["load_avg"][0] for x in al] + [x[k]["load_avg"][0] for x in kv for k in ("save", "restore_other")]
-    rows.append([n, "load average (1 min) seen", None, None, None, f"{min(loads)} to {max(loads)}"])
+    rows.append([run, "load average (1 min) seen", None, None, None, f"{min(loads)} to {max(loads)}"])
     return rows
 
 
-HEADERS = ["tokens", "measure", "ms (p50)", "GB/s (p50)", "% of floor", "detail"]
+HEADERS = ["KV shape, tokens", "measure", "ms (p50)", "GB/s (p50)", "% of floor", "detail"]
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench datapath", description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default="4000,8000", help="prompt lengths in tokens")
+    p.add_argument("--sizes", default="smollm2:4000,8b:4000,8b:8000,70b:2000",
+                   help="runs as [SHAPE:]TOKENS, comma-separated; SHAPE one of " + ", ".join(SHAPES) + " (8b if left out)")
     p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="4,000 tokens, 1 rep")
+    p.add_argument("--quick", action="store_true", help="8b, 4,000 tokens, 1 rep")
     p.add_argument("--threads", type=int, default=2, help="llama-server -t")
     p.add_argument("--b-tokens", type=int, default=800, help="tokens user B streams in the stall test")
     p.add_argument("--conns", default="1,4", help="parallel Redis connections of the raw floor")
+    p.add_argument("--next-after-ms", type=float, default=60.0,
+                   help="a next turn is sent this long after its answer ends (kvtier's save then in flight)")
     p.add_argument("--redis-url", help="use this Redis instead of an embedded Valkey (it gets FLUSHALLed!)")
     p.add_argument("--json", default=str(RESULTS_DIR / "datapath.json"))
     a = p.parse_args(argv)
-    sizes = [4000] if a.quick else [int(x) for x in a.sizes.split(",") if x]
+    runs = [("8b", 4000)] if a.quick else parse_runs(a.sizes)
     a.reps = 1 if a.quick else a.reps
     a.conns = [int(x) for x in a.conns.split(",") if x]
-    model = model_8b()
     started, before = time.time(), machine()
     results = []
     with redis_or_given(a.redis_url) as redis_url:
-        for n in sizes:
-            results.append(asyncio.run(run_size(a, n, redis_url, model)))
+        for shape, n in runs:
+            results.append(asyncio.run(run_size(a, shape, n, redis_url)))
             write_json(a.json, {"benchmark": "datapath", "partial": True, "results": results})  # a crash keeps these
         vers = versions(redis_url)
     rows = [row for res in results for row in size_rows(res, a.conns)]
     after = machine()
-    print_table(f"KV data path, 8B KV shape ({KV_BYTES_PER_TOKEN // 1024} KiB/token), medians of {a.reps} rep(s); "
+    shapes = ", ".join(f"{shape} {kv_per_token(shape) / 1024:,.1f} KiB/token" for shape in dict.fromkeys(s for s, _ in runs))
+    print_table(f"KV data path ({shapes}), medians of {a.reps} rep(s); "
                 f"load avg {before['load_avg']} -> {after['load_avg']}", HEADERS, rows)
     write_json(a.json, {"benchmark": "datapath", "command": "python -m bench datapath " + " ".join(argv or []),
-                        "settings": {k: v for k, v in vars(a).items() if k != "json"}, "model": MODEL_NAME,
-                        "shape": SHAPE, "machine": before, "load_avg_end": after["load_avg"], "versions": vers,
+                        "settings": {k: v for k, v in vars(a).items() if k != "json"},
+                        "shapes": {shape: SHAPES[shape] for shape, _ in runs}, "machine": before,
+                        "load_avg_end": after["load_avg"], "versions": vers,
                         "minutes": round((time.time() - started) / 60, 1), "results": results,
                         "table": [dict(zip(HEADERS, r, strict=True)) for r in rows]})
     return 0

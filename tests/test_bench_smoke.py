@@ -240,3 +240,23 @@ def test_datapath_rates_each_path_against_the_floor_the_issue_names() -> None:
     assert saved[4] == round(100 * save_floor / saved[2], 1)
     other, same = rows["kvtier restore, other node (redis)"], rows["kvtier restore, same node (memory)"]
     assert other[4] == round(100 * redis_floor / other[2], 1) and same[4] == round(100 * load / same[2], 1)
+
+
+def test_datapath_runs_name_a_kv_shape_and_a_size() -> None:
+    """``--sizes`` entries are ``[SHAPE:]TOKENS``; each shape's KV bytes per token are the issue's
+    (8B 128 KiB, 70B 320 KiB, SmolLM2 22.5 KiB); an unknown shape is refused by name."""
+    assert datapath.parse_runs("4000, 70b:2000,smollm2:4000") == [("8b", 4000), ("70b", 2000), ("smollm2", 4000)]
+    assert [datapath.kv_per_token(s) for s in ("8b", "70b", "smollm2")] == [128 << 10, 320 << 10, 23040]
+    assert datapath.model_name("70b") == "kvtier-random-l80-e256-h8-kv8x128-ff512.gguf"
+    with pytest.raises(SystemExit, match="unknown shape '13b'"):
+        datapath.parse_runs("13b:1000")
+
+
+def test_datapath_next_turn_rows_compare_alone_and_kvtier() -> None:
+    """The next turn's TTFT through kvtier (its save in flight) is rated against llama-server alone's."""
+    al = [{"next_turn": {"ttft_ms": t, "prompt_n": 16}} for t in (100.0, 120.0, 110.0)]
+    kv = [{"next_turn": {"ttft_ms": t, "prompt_n": 16, "saves_skipped": 0}} for t in (200.0, 220.0, 240.0)]
+    alone, kvtier = datapath.next_turn_rows("8b 4,000", al, kv)
+    assert alone[2] == 110.0 and kvtier[2] == 220.0
+    assert kvtier[5].startswith("2.0x alone; computed 16; saves skipped 0/3")
+    assert datapath.next_turn_rows("8b 4,000", al, []) == []  # runs from before the phase
