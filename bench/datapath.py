@@ -41,11 +41,12 @@ import contextlib
 import json
 import os
 import statistics
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import aiohttp
 
@@ -174,6 +175,47 @@ def peak_rss_mib(pid: int) -> float | None:
         if line.startswith("VmHWM:"):
             return round(int(line.split()[1]) / 1024, 1)
     return None
+
+
+class RssPeaks:
+    """The most private (``RssAnon``) and mapped-file (``RssFile`` + ``RssShmem``) memory each of
+    some processes held, sampled every ``every`` seconds in a thread while in the ``with`` block.
+
+    ``VmHWM`` counts both: a save maps the slot file llama-server wrote (tmpfs pages that exist
+    whether or not kvtier maps them), so its peak says little of the memory kvtier itself adds.
+    """
+
+    def __init__(self, pids: dict[str, int], every: float = 0.01):
+        self.pids, self.every = pids, every
+        self.anon = dict.fromkeys(pids, 0.0)
+        self.mapped = dict.fromkeys(pids, 0.0)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            for name, pid in self.pids.items():
+                kib = {}
+                with contextlib.suppress(OSError):
+                    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                        if line.startswith(("RssAnon:", "RssFile:", "RssShmem:")):
+                            kib[line.split(":")[0]] = int(line.split()[1])
+                self.anon[name] = max(self.anon[name], kib.get("RssAnon", 0) / 1024)
+                self.mapped[name] = max(self.mapped[name], (kib.get("RssFile", 0) + kib.get("RssShmem", 0)) / 1024)
+            if self._stop.wait(self.every):
+                return
+
+    def row(self) -> dict[str, dict[str, float]]:
+        return {"anon": {k: round(v, 1) for k, v in self.anon.items()},
+                "mapped": {k: round(v, 1) for k, v in self.mapped.items()}}
 
 
 def gbps(nbytes: float, seconds: float) -> float | None:
@@ -457,10 +499,21 @@ async def kvtier_rep(s: aiohttp.ClientSession, cl: Cluster, redis_url: str, n: i
     """Save on node A, restore on node B (Redis), then on A after its slots were overwritten (its
     saved file); a next turn while the save is in flight; stall."""
     node_a, node_b = cl.nodes
-    urls = [x.sidecar_url for x in cl.nodes]
     # An empty Redis (its memory), but not a purge: that would also remove the restore files each
     # node keeps for its next restore, which a node that has restored before has.
     await redis_flush(redis_url)
+    with RssPeaks({"a": sidecar_pid(node_a), "b": sidecar_pid(node_b)}) as peaks:
+        out = await _kvtier_rep(s, cl, redis_url, n, r, a, per_token)
+    out["peak_rss_sampled_mib"] = peaks.row()
+    # Each sidecar's peak so far: its saves (A) and restores (B, then A), this size's reps up to now.
+    out["peak_rss_mib"] = {"a": peak_rss_mib(sidecar_pid(node_a)), "b": peak_rss_mib(sidecar_pid(node_b))}
+    return out
+
+
+async def _kvtier_rep(s: aiohttp.ClientSession, cl: Cluster, redis_url: str, n: int, r: int,
+                      a: argparse.Namespace, per_token: int) -> dict[str, Any]:
+    node_a, node_b = cl.nodes
+    urls = [x.sidecar_url for x in cl.nodes]
     tok = node_a.llama_url
     prompt = await exact_tokens(s, tok, n, seed=100 + r)
     out: dict[str, Any] = {"rep": r, "save": await kvtier_save(s, cl, redis_url, prompt, per_token)}
@@ -479,8 +532,6 @@ async def kvtier_rep(s: aiohttp.ClientSession, cl: Cluster, redis_url: str, n: i
     stall_prompt = await exact_tokens(s, tok, n, seed=200 + r)
     b_prompt = await exact_tokens(s, tok, 64, seed=900 + r)
     out["stall_kvtier"] = await kvtier_stall(s, cl, redis_url, stall_prompt, b_prompt, a.b_tokens)
-    # Each sidecar's peak so far: its saves (A) and restores (B, then A), this size's reps up to now.
-    out["peak_rss_mib"] = {"a": peak_rss_mib(sidecar_pid(node_a)), "b": peak_rss_mib(sidecar_pid(node_b))}
     return out
 
 
@@ -635,6 +686,11 @@ def cpu_rows(run: str, al: list[dict[str, Any]], kv: list[dict[str, Any]], per_t
         rows.append([run, "sidecar peak RSS, MiB (node A saves / node B restores)", None, None, None,
                      (f"{max(p['a'] or 0 for p in peaks):,.0f} / {max(p['b'] or 0 for p in peaks):,.0f}; "
                       f"RAM tier budget + 4 chunks: {budget / MIB:,.0f}")])
+    sampled = [x["peak_rss_sampled_mib"] for x in kv if "peak_rss_sampled_mib" in x]
+    if sampled:
+        rows.append([run, "  of it private (RssAnon) / mapped files (slot files on tmpfs), MiB", None, None, None,
+                     " / ".join(f"{max(p['anon'][k] for p in sampled):,.0f}" for k in ("a", "b")) + " private; "
+                     + " / ".join(f"{max(p['mapped'][k] for p in sampled):,.0f}" for k in ("a", "b")) + " mapped"])
     loads = [x["load_avg"][0] for x in al] + [x[k]["load_avg"][0] for x in kv for k in ("save", "restore_other")]
     rows.append([run, "load average (1 min) seen", None, None, None, f"{min(loads)} to {max(loads)}"])
     return rows

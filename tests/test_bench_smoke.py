@@ -260,3 +260,27 @@ def test_datapath_next_turn_rows_compare_alone_and_kvtier() -> None:
     assert alone[2] == 110.0 and kvtier[2] == 220.0
     assert kvtier[5].startswith("2.0x alone; computed 16; saves skipped 0/3")
     assert datapath.next_turn_rows("8b 4,000", al, []) == []  # runs from before the phase
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")
+def test_datapath_rss_peaks_tell_private_memory_from_mapped_files(tmp_path: Path) -> None:
+    """A private buffer raises the private peak; a mapped file's pages raise the mapped one."""
+    import mmap
+    import os
+    import time
+
+    import numpy as np
+
+    mib = 1 << 20
+    path = tmp_path / "mapped.bin"
+    path.write_bytes(b"\1" * (64 * mib))
+    with datapath.RssPeaks({"me": os.getpid()}, every=0.005) as peaks:
+        time.sleep(0.05)
+        before = dict(peaks.anon), dict(peaks.mapped)
+        private = np.ones(96 * mib, np.uint8)
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            assert sum(m[i] for i in range(0, len(m), 4096)) == 64 * mib // 4096  # every page touched
+            time.sleep(0.05)
+        del private
+    assert peaks.anon["me"] >= before[0]["me"] + 90
+    assert peaks.mapped["me"] >= before[1]["me"] + 60
