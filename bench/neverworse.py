@@ -42,10 +42,12 @@ from .common import (
     cluster,
     complete,
     console,
+    metric,
     percentile,
     print_table,
     redis_flush,
     redis_or_given,
+    scrape,
     tokenize,
     write_json,
 )
@@ -178,7 +180,16 @@ async def run_mode(a: argparse.Namespace, mode: str, redis_url: str) -> dict[str
                 out["abort_reprompt"] = await abort_reprompt(s, urls, cl.llama_url(0), a.prefix, a.reps, a.abort_after)
             if "agent_subagents" in a.scenarios:
                 out["agent_subagents"] = await agent_subagents(s, urls[1], a.main_tokens, a.sub_tokens, a.agent_rounds)
+            if sidecar:  # what each sidecar did before forwarding: its own time, and identity checks waited for
+                out["sidecars"] = [await sidecar_figures(s, node.sidecar_url) for node in cl.nodes]
     return out
+
+
+async def sidecar_figures(s: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    m = await scrape(s, url)
+    return {name: metric(m, name) for name in (
+        "kvtier_overhead_seconds_count", "kvtier_overhead_seconds_sum", "kvtier_server_checks_seconds_count",
+        "kvtier_server_checks_seconds_sum", "kvtier_saves_skipped_total", "kvtier_follow_ups_total")}
 
 
 def summarize(results: dict[str, dict[str, Any]]) -> list[list[Any]]:
@@ -187,7 +198,12 @@ def summarize(results: dict[str, dict[str, Any]]) -> list[list[Any]]:
     for key, by_scenario in results.items():
         load, mode = key.split("/")
         for name, data in by_scenario.items():
-            if name == "repeat_at_once":
+            if name == "sidecars":  # both nodes, over every scenario of the run
+                checks = sum(x["kvtier_server_checks_seconds_count"] for x in data)
+                waited = sum(x["kvtier_server_checks_seconds_sum"] for x in data)
+                rows.append([load, "all", mode, "identity checks requests waited for: count; ms in all",
+                             f"{checks:.0f}; {1e3 * waited:,.0f}", None])
+            elif name == "repeat_at_once":
                 rows.append([load, name, mode, "repeat TTFT ms (p50)",
                              percentile([x["repeat_ttft_ms"] for x in data], 50),
                              percentile([x["repeat_computed"] for x in data], 50)])

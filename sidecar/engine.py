@@ -97,7 +97,13 @@ class KVEngine:
         return self.watcher.last_error
 
     async def ensure_ready(self) -> bool:
-        return await self.watcher.ensure_ready()
+        if self.watcher.confirmed:
+            return True
+        t0 = time.perf_counter()
+        try:
+            return await self.watcher.ensure_ready()
+        finally:
+            self.metrics.server_checks_seconds.observe(time.perf_counter() - t0)
 
     # -- before the request -----------------------------------------------------------------------
 

@@ -194,8 +194,12 @@ def test_neverworse_rows_and_their_section() -> None:
             "abort_reprompt": [{"where": w, "reused_share": 0.99, "prefix_tokens": 1500, "reused_tokens": 1490}
                                for w in ("same node", "other node")],
             "agent_subagents": [{"finalize_ratio": 0.1, "finalize_ttft_ms": 900.0, "finalize_computed": 20}]}
-    rows = neverworse.summarize({"quiet/alone": runs, "loaded/kvtier-cache-ram-0": runs})
+    sidecars = [{"kvtier_server_checks_seconds_count": n, "kvtier_server_checks_seconds_sum": n * 0.5}
+                for n in (1.0, 2.0)]
+    rows = neverworse.summarize({"quiet/alone": runs, "loaded/kvtier-cache-ram-0": {**runs, "sidecars": sidecars}})
     assert ["quiet", "repeat_at_once", "alone", "repeat TTFT ms (p50)", 50.0, 2.0] in rows
+    assert ["loaded", "all", "kvtier-cache-ram-0", "identity checks requests waited for: count; ms in all",
+            "3; 1,500", None] in rows
     assert ["loaded", "abort_reprompt (other node)", "kvtier-cache-ram-0", "prefix reused (p50)", 0.99, 10] in rows
     settings = {"slots": 4, "ctx": 16384, "threads": 2, "reps": 2, "prefix": 1500, "abort_after": 64,
                 "main_tokens": 2000, "sub_tokens": 1500}

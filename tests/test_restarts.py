@@ -87,6 +87,9 @@ async def test_an_idle_sidecar_stays_sure_of_its_llama_server(node: tuple[LlamaS
     for _ in range(10):  # across a health check or two: none lost the witness
         assert watcher.confirmed
         await asyncio.sleep(0.25)
+    checks = sc.metric("kvtier_server_checks_seconds_count")
+    assert (await post(sc.url + "/v1/chat/completions", chat([], "What does shelf 6 hold?"))).status == 200
+    assert sc.metric("kvtier_server_checks_seconds_count") == checks  # it went on at once
 
 
 async def test_the_next_turn_at_once_keeps_its_own_slot(node: tuple[LlamaServer, Sidecar]) -> None:
