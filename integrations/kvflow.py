@@ -394,6 +394,11 @@ class LazyChunks:
         for j, payload in enumerate(split.chunks):
             self._cut[split.first_chunk + j] = split.framed(j) if split.frames else Framed(payload, 0)
 
+    def size_of(self, i: int) -> int:
+        """About how many bytes chunk ``i`` takes once cut and framed (the state's bytes per token),
+        for the RAM tier to make room before the cut."""
+        return self.room + self.state.nbytes * self.chunk_tokens // max(self.state.n_tokens, 1)
+
     def __call__(self, i: int) -> Framed:
         if i not in self._cut:
             self._cut_from(i)

@@ -496,3 +496,38 @@ async def test_aclose_drains_the_write_in_flight(redis_srv: RedisProc, shm_dir: 
         assert r.dbsize() == 0  # the write is not done
         await asyncio.wait_for(s.aclose(), 10)
         assert r.dbsize() == 3
+
+
+class SizedPayloads(Payloads):
+    """A payload source that tells each chunk's size before it is made (as a save's cut does), and
+    records how full the RAM tier was when the store asked for the first one."""
+
+    def __init__(self, toks: list[int], tier: MemoryTier):
+        super().__init__(toks)
+        self.tier = tier
+        self.used_at_first: int | None = None
+
+    def size_of(self, i: int) -> int:
+        return PAYLOAD_BYTES + HEADER_SIZE
+
+    def __call__(self, i: int) -> bytes:
+        if self.used_at_first is None:
+            self.used_at_first = self.tier.stats().bytes_used
+        return super().__call__(i)
+
+
+async def test_the_ram_tier_makes_room_before_a_save_is_cut() -> None:
+    """A full RAM tier evicts what a save's chunks displace before they are cut, not after: the
+    process holds the tier's budget and the new chunks, never the old values and the new ones."""
+    value = PAYLOAD_BYTES + HEADER_SIZE
+    ram = MemoryTier(10 * value)
+    s = TieredStore([ram], BlobCodec("none"))
+    old, new = tokens(300, 8), tokens(301, 6)
+    await s.store(NS, chain_of(old), Payloads(old))
+    assert ram.stats().bytes_used == 8 * value
+    sized = SizedPayloads(new, ram)
+    await s.store(NS, chain_of(new), sized)
+    assert sized.used_at_first is not None and sized.used_at_first <= 4 * value  # room for 6 was made first
+    assert all(await ram.contains_many(keys_of(chain_of(new))))
+    assert ram.stats().bytes_used <= 10 * value
+    await s.aclose()

@@ -68,10 +68,7 @@ class MemoryTier:
                 if old is not None:
                     self._used -= len(old)
                     self._policy.on_remove(key)
-                while self._used + size > self.capacity and self._data:
-                    victim = self._policy.victim()
-                    self._used -= len(self._data.pop(victim))
-                    evicted += 1
+                evicted += self._evict_for(size)
                 self._data[key] = value
                 self._used += size
                 self._policy.on_insert(key, size)
@@ -79,6 +76,24 @@ class MemoryTier:
                 nbytes += size
         self._stats.add(puts=stored, bytes_in=nbytes, evictions=evicted)
         return stored
+
+    def make_room(self, nbytes: int) -> None:
+        """Evict now what a put of ``nbytes`` would evict (the store calls it before it cuts a
+        save's chunks): the old values are freed before the new ones exist, so the process holds
+        the budget and the chunks in hand, not both. A value that would not fit at all is not
+        made room for (``put_many`` skips it)."""
+        with self._lock:
+            evicted = self._evict_for(min(nbytes, self.capacity))
+        self._stats.add(evictions=evicted)
+
+    def _evict_for(self, size: int) -> int:
+        """Evict until ``size`` more bytes fit in the budget (the lock held); how many were evicted."""
+        evicted = 0
+        while self._used + size > self.capacity and self._data:
+            victim = self._policy.victim()
+            self._used -= len(self._data.pop(victim))
+            evicted += 1
+        return evicted
 
     async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:

@@ -230,7 +230,8 @@ class TieredStore:
                 await cut(first)
             await in_background(lambda: [blob(i) for i in range(first, len(keys))])
 
-        written = await self._through.put_missing(keys, blob, prepare)
+        size = getattr(payloads, "size_of", None)  # a source that can tell a chunk's size before cutting it
+        written = await self._through.put_missing(keys, blob, prepare, size)
         self._writer.submit(keys, blob, announce=announce, prepare=prepare)  # encodes only what a background tier lacks
         return StoreResult(len(keys), len(written), sum(len(b) for b in blobs.values()), time.perf_counter() - t0)
 

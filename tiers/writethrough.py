@@ -25,16 +25,20 @@ class WriteThrough:
         self.tiers = list(tiers)
 
     async def put_missing(self, keys: Sequence[bytes], blob: Callable[[int], Value],
-                          prepare: Prepare | None = None) -> set[int]:
+                          prepare: Prepare | None = None, size: Callable[[int], int] | None = None) -> set[int]:
         """Write to each tier the keys it lacks, the value of key ``i`` being ``blob(i)`` (asked for
         only when some tier lacks it; ``prepare(i)`` is awaited first with the first such ``i``);
-        returns the indexes written to at least one tier."""
+        returns the indexes written to at least one tier. ``size(i)``: about how large ``blob(i)``
+        is, for a tier with a byte budget to make room before the values are made."""
         written: set[int] = set()
         for tier in self.tiers:
             present = await attempt(tier.contains_many(keys), "contains", tier)
             missing = [i for i, ok in enumerate(present or ()) if not ok]
             if not missing:
                 continue
+            make_room = getattr(tier, "make_room", None)  # the RAM tier's
+            if make_room is not None and size is not None:
+                make_room(sum(size(i) for i in missing))
             if prepare is not None:
                 await prepare(missing[0])
             try:  # blob(i) encodes here: a payload that fails is a failed put
