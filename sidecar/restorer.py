@@ -12,7 +12,7 @@ import numpy as np
 from integrations.chunkassemble import state_pieces
 from integrations.flows import restored_tail, session_image
 from integrations.kvflow import PrefixFound, TailRecord, fetch_prefix
-from tiers.keys import Namespace
+from tiers.keys import Namespace, chunk_key
 from tiers.sessions import Manifest, SessionStore
 from tiers.store import FetchResult, TieredStore
 from tiers.threads import in_thread
@@ -59,6 +59,10 @@ class RestoreWriter:
                 lease, namespace, tokens, found.n_tokens, owner=owner, exact=found.whole, cached=cached)) is not None:
             return loaded
         t0 = time.perf_counter()
+        # What comes from below the RAM tier is promoted into it after the answer: room is made
+        # first, so the fetched chunks are not held beside a full tier.
+        self.store.make_room(found.bytes_by_tier(namespace.chunk_tokens, target.bytes_per_token),
+                             keep=[chunk_key(namespace, h) for h in found.chunks.chunks])
         got = await fetch_prefix(self.store, namespace, found)
         if got.n_tokens <= cached:
             self.metrics.restores.labels("none", "miss").inc()

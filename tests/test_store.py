@@ -531,3 +531,22 @@ async def test_the_ram_tier_makes_room_before_a_save_is_cut() -> None:
     assert all(await ram.contains_many(keys_of(chain_of(new))))
     assert ram.stats().bytes_used <= 10 * value
     await s.aclose()
+
+
+async def test_room_made_before_a_fetch_spares_the_fetch_s_own_chunks() -> None:
+    """Before a fetch whose chunks come from below the RAM tier (promoted there after the answer),
+    the RAM tier evicts what they will displace, but never the chunks of that same prefix it holds."""
+    value = PAYLOAD_BYTES + HEADER_SIZE
+    ram = MemoryTier(10 * value)
+    s = TieredStore([ram], BlobCodec("none"))
+    own, other = tokens(310, 3), tokens(311, 6)
+    await s.store(NS, chain_of(own), Payloads(own))  # the oldest: the first victims
+    await s.store(NS, chain_of(other), Payloads(other))
+    keep = keys_of(chain_of(own))
+    s.make_room({"memory": 3 * value, "redis": 5 * value}, keep=keep)  # 5 chunks to come from Redis
+    assert all(await ram.contains_many(keep))
+    assert ram.stats().bytes_used <= 5 * value  # 4 of the other prefix's went, not the fetch's 3
+    assert sum(await ram.contains_many(keys_of(chain_of(other)))) == 2
+    ram.make_room(100 * value, keep=keep)  # more than the budget: all but the kept
+    assert ram.stats().bytes_used == 3 * value
+    await s.aclose()

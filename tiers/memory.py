@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -77,22 +77,29 @@ class MemoryTier:
         self._stats.add(puts=stored, bytes_in=nbytes, evictions=evicted)
         return stored
 
-    def make_room(self, nbytes: int) -> None:
-        """Evict now what a put of ``nbytes`` would evict (the store calls it before it cuts a
-        save's chunks): the old values are freed before the new ones exist, so the process holds
-        the budget and the chunks in hand, not both. A value that would not fit at all is not
-        made room for (``put_many`` skips it)."""
+    def make_room(self, nbytes: int, keep: Collection[bytes] = ()) -> None:
+        """Evict now what a put of ``nbytes`` would evict (before a save's chunks are cut, before a
+        fetch whose chunks will be promoted here): the old values are freed before the new ones
+        exist, so the process holds the budget and the chunks in hand, not both. The values of
+        ``keep`` (the fetch's own) stay, as most recently used."""
         with self._lock:
-            evicted = self._evict_for(min(nbytes, self.capacity))
+            evicted = self._evict_for(min(nbytes, self.capacity), keep)
         self._stats.add(evictions=evicted)
 
-    def _evict_for(self, size: int) -> int:
-        """Evict until ``size`` more bytes fit in the budget (the lock held); how many were evicted."""
+    def _evict_for(self, size: int, keep: Collection[bytes] = ()) -> int:
+        """Evict until ``size`` more bytes fit in the budget (the lock held), sparing ``keep``; how
+        many were evicted."""
         evicted = 0
-        while self._used + size > self.capacity and self._data:
+        spared: list[bytes] = []
+        while self._used + size > self.capacity and len(self._data) > len(spared):
             victim = self._policy.victim()
+            if victim in keep:
+                spared.append(victim)
+                continue
             self._used -= len(self._data.pop(victim))
             evicted += 1
+        for key in spared:
+            self._policy.on_insert(key, len(self._data[key]))
         return evicted
 
     async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:

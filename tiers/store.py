@@ -176,6 +176,15 @@ class TieredStore:
             result = replace(result, seconds=time.perf_counter() - t0)
         return result
 
+    def make_room(self, bytes_by_tier: Mapping[str, int], keep: Sequence[bytes] = ()) -> None:
+        """Before a fetch whose chunks are promoted later: each synchronous tier with a byte budget
+        (RAM) evicts now what the bytes read from other tiers will displace there, sparing ``keep``
+        (the fetch's own keys). Else the fetched chunks are held beside a full tier until then."""
+        for tier in self._through.tiers:
+            make_room = getattr(tier, "make_room", None)
+            if make_room is not None:
+                make_room(sum(n for name, n in bytes_by_tier.items() if name != tier.name), set(keep))
+
     async def fetch_with_tail(self, namespace: Namespace, chain: Sequence[ChunkHash], tail: tuple[bytes, bytes] | None,
                               *, promote: bool = True) -> tuple[FetchResult, Verified | None]:
         """``fetch`` of ``chain`` and, beside it rather than after it, ``read_verified`` of a partial
