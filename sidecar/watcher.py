@@ -141,6 +141,11 @@ class ServerWatcher:
         self._witness = None
         self._doubted = True
 
+    def _unsure_why(self) -> str:
+        if self._doubted:
+            return "doubted (a failed health check, or an answer that reused less than planned)"
+        return "no connection was open to witness it" if self._witness is None else "its witness connection closed"
+
     async def ensure_ready(self) -> bool:
         """Learn llama-server if not done yet, and confirm it is still the same one; False while
         it cannot be reached or learned."""
@@ -149,6 +154,7 @@ class ServerWatcher:
         async with self._lock:
             try:
                 if self.target is not None and not self.confirmed:
+                    log.info("checking llama-server's identity before a request: %s", self._unsure_why())
                     await self._check_identity()
                 if self.target is None:
                     await self.probe()
