@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import glob
 import json
@@ -28,7 +27,7 @@ from .config import Settings
 from .engine import KVEngine
 from .fleet import Fleet
 from .forward import Forwarder, ForwardMetrics
-from .http.upstream import Upstream, UpstreamError
+from .http.upstream import Upstream
 from .logs import MalformedRequestFilter
 from .metrics import Metrics
 from .middlewares import front_middleware
@@ -74,14 +73,6 @@ def _remove_stale_files(slot_dir: str) -> None:
             pass
 
 
-async def keep_witness_forever(upstream: Upstream, interval: float) -> None:
-    """``Upstream.keep_witness`` every ``interval`` seconds (llama-server down: tried again next time)."""
-    while True:
-        with contextlib.suppress(OSError, TimeoutError, UpstreamError):
-            await upstream.keep_witness()
-        await asyncio.sleep(interval)
-
-
 async def _resources(app: web.Application) -> AsyncIterator[None]:
     settings = app[SETTINGS]
     _remove_stale_files(settings.slot_dir or ".")
@@ -108,8 +99,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     app[EVENTS] = redis.events if redis is not None else None
     app[ENGINE] = engine
     loop = asyncio.get_running_loop()
-    tasks = [loop.create_task(engine.watcher.watch_forever(HEALTH_INTERVAL_S), name="kvtier-health"),
-             loop.create_task(keep_witness_forever(upstream, HEALTH_INTERVAL_S), name="kvtier-witness")]
+    tasks = [loop.create_task(engine.watcher.watch_forever(HEALTH_INTERVAL_S), name="kvtier-health")]
     if redis is not None:  # purges done elsewhere (another node, the CLI) reach this node's tiers
         tasks.append(loop.create_task(follow_purges(engine, redis.connection, redis.events), name="kvtier-purges"))
     if settings.prewarm and redis is not None:

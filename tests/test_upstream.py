@@ -397,38 +397,3 @@ async def test_the_sidecar_answers_502_or_cuts_the_client_off(tmp_path: Path) ->
                 await asyncio.wait_for(r.read(), 10)
     finally:
         server.close()
-
-
-def test_the_witness_has_a_connection_of_its_own_kept_open_by_health_checks(loop: str) -> None:
-    """``keep_witness`` opens one connection, then sends ``GET /health`` on it; it never relays an
-    answer nor waits in the idle pool, so it stays open between the server's idle timeouts. Told
-    to close, it is closed, and the next call opens another."""
-    async def body(upstream: Upstream, server: ScriptedServer) -> None:
-        assert upstream.witness() is None
-        await upstream.keep_witness()
-        witness = upstream.witness()
-        assert witness is not None and not witness.closed
-        await upstream.keep_witness()
-        assert server.requests[0].startswith(b"GET /health HTTP/1.1\r\n")
-        assert upstream.witness() is witness and not witness.closed
-        assert (await post(upstream))[1] == b"a"  # on a connection of its own
-        assert witness not in upstream._idle and server.connections == 2
-        await upstream.keep_witness()  # answered with Connection: close
-        assert witness.closed and upstream.witness() is upstream._idle[0]  # any open one meanwhile
-        await upstream.keep_witness()
-        assert upstream.witness() not in (None, witness, upstream._idle[0])
-        await until(lambda: server.connections == 3, "the server sees the new witness")
-
-    run(loop, [ok(b'{"status":"ok"}'), ok(b"a"), ok(b'{"status":"ok"}', b"Connection: close\r\n")], body)
-
-
-def test_a_witness_that_does_not_answer_in_time_is_closed(loop: str) -> None:
-    """A health check that is not answered within its timeout closes the witness (a check of
-    llama-server's identity then comes first again), rather than wait on it."""
-    async def body(upstream: Upstream, server: ScriptedServer) -> None:
-        await upstream.keep_witness()
-        witness = upstream.witness()
-        await upstream.keep_witness(timeout=0.05)  # the server never answers
-        assert witness is not None and witness.closed and upstream.witness() is None
-
-    run(loop, [[b"HTTP/1.1 200 OK\r\n"]], body)  # a head never finished

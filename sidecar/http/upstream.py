@@ -12,9 +12,7 @@ Why kvtier has its own client rather than aiohttp's, for this one job:
 - A witness of the process. A connection open to llama-server dies with the process behind it, so
   while one stays open (``Upstream.witness``) llama-server has not restarted. The server watcher
   holds one to know, at the cost of an attribute read per request, that llama-server is still the
-  one it learned (``sidecar/watcher.py``). One connection is kept open for that alone
-  (``keep_witness``): else a request after 5 s idle checks llama-server's identity first, and
-  ``/slots`` waits in its queue behind other slots' batches (seconds on a busy server).
+  one it learned (``sidecar/watcher.py``).
 
 kvtier's own calls to llama-server (slot save, restore and erase, tokenize, props, health) go through
 aiohttp's pool in ``integrations.llama_server.LlamaServerClient``, not this one. The two are kept
@@ -80,7 +78,6 @@ class Upstream:
         self._open: weakref.WeakSet[_Connection] = weakref.WeakSet()
         self._active = asyncio.Semaphore(max_active)
         self._closed = False
-        self._witness: _Connection | None = None  # kept open by ``keep_witness``; never relays
 
     async def request(self, method: str, target: str, headers: Iterable[tuple[str, str]],
                       body: bytes = b"") -> UpstreamResponse:
@@ -158,42 +155,13 @@ class Upstream:
         return conn
 
     def witness(self) -> _Connection | None:
-        """A connection to the server that is open now, or None: the one ``keep_witness`` keeps,
-        else any (idle or answering).
+        """A connection to the server that is open now (idle or answering), or None.
 
         While it stays open the process behind it has not restarted: its sockets die with it. The
         server watcher holds one to know, at the cost of an attribute read per request, that
         llama-server is still the one it learned (sidecar/watcher.py).
         """
-        if self._witness is not None and not self._witness.closed:
-            return self._witness
         return next((c for c in self._open if not c.closed), None)
-
-    async def keep_witness(self, timeout: float = 5.0) -> None:
-        """Keep one connection open for ``witness`` alone (called more often than llama-server closes
-        idle ones, 5 s): ``GET /health`` on it (never queued behind a batch), or open it. One that
-        fails, says close or is not answered within ``timeout`` is closed; the next call opens
-        another, a witness from the next identity check on."""
-        conn = self._witness
-        if conn is None or conn.closed:
-            self._witness = await self._connect()
-            return
-        response = UpstreamResponse(self, conn, head_only=False)
-        try:
-            conn.start(response, self._encode("GET", "/health", (), b""))
-            async with asyncio.timeout(timeout):
-                await response.wait_head()
-                await response.read()
-        except (UpstreamError, TimeoutError):
-            conn.close()
-            return
-        except BaseException:  # cancelled mid-exchange: the connection is in an unknown state
-            conn.close()
-            raise
-        finally:
-            conn.response = None
-        if not response.keep_alive:
-            conn.close()
 
     def put_back(self, conn: _Connection) -> None:
         if self._closed or conn.closed or len(self._idle) >= MAX_IDLE:
@@ -206,8 +174,6 @@ class Upstream:
         self._closed = True
         while self._idle:
             self._idle.pop().close()
-        if self._witness is not None:
-            self._witness.close()
 
 
 class _Connection(asyncio.Protocol):
