@@ -119,9 +119,8 @@ class Metrics:
                                   "waited for, expected later than waiting would pay", ["outcome"], registry=r)
         self.save_wait_seconds = Histogram("kvtier_save_wait_seconds", "Time waited for a save in flight",
                                            buckets=LATENCY_BUCKETS, registry=r)
-        self.server_checks_seconds = Histogram(
-            "kvtier_server_checks_seconds", "Checks of llama-server's identity (/props, /slots) a request waited "
-            "for before kvtier took it (its witness connection was gone)", buckets=LATENCY_BUCKETS, registry=r)
+        self.server_checks_seconds = Histogram("kvtier_server_checks_seconds", "Checks of llama-server's identity "
+                                               "a request waited for (no witness)", buckets=LATENCY_BUCKETS, registry=r)
         self.overhead_seconds = Histogram("kvtier_overhead_seconds", "Sidecar time before forwarding (prompt tokens, "
                                           "slot choice, restore)", buckets=FAST_BUCKETS, registry=r)
         self.prompt_seconds = Histogram(

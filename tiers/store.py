@@ -177,9 +177,8 @@ class TieredStore:
         return result
 
     def make_room(self, bytes_by_tier: Mapping[str, int], keep: Sequence[bytes] = ()) -> None:
-        """Before a fetch whose chunks are promoted later: each synchronous tier with a byte budget
-        (RAM) evicts now what the bytes read from other tiers will displace there, sparing ``keep``
-        (the fetch's own keys). Else the fetched chunks are held beside a full tier until then."""
+        """Before a fetch whose chunks are promoted later: a synchronous tier with a byte budget (RAM)
+        evicts now what the bytes from other tiers will displace there, sparing ``keep`` (the fetch's)."""
         for tier in self._through.tiers:
             make_room = getattr(tier, "make_room", None)
             if make_room is not None:
