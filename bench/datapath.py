@@ -10,8 +10,9 @@ side by side in one run.
   128, f16: 128 KiB per token (1 GiB per 8k-token slot);
 - ``70b``: the same with 80 layers, a 70B's 320 KiB per token;
 - ``smollm2``: SmolLM2-135M itself, 22.5 KiB per token.
-The random models are generated once into ``$KVTIER_CACHE/models``. Every llama-server runs ``-np 2 -t THREADS --cache-ram 0``, slots on
-/dev/shm; kvtier runs two nodes on one Valkey. Rows per prompt size, medians over the reps:
+The random models are generated once into ``$KVTIER_CACHE/models``. Every llama-server runs
+``-np 2 -t THREADS --cache-ram 0``, slots on /dev/shm; kvtier runs two nodes on one Valkey. Rows per
+run, medians over the reps:
 
 - floors: llama-server's own save of the slot (``save_ms``) and restore of that file
   (``restore_ms``); redis-py asyncio SET then GET of those bytes in 256-token values (32 MiB) over

@@ -120,7 +120,7 @@ class Metrics:
         self.save_wait_seconds = Histogram("kvtier_save_wait_seconds", "Time waited for a save in flight",
                                            buckets=LATENCY_BUCKETS, registry=r)
         self.server_checks_seconds = Histogram("kvtier_server_checks_seconds", "Checks of llama-server's identity "
-                                               "a request waited for (no witness)", buckets=LATENCY_BUCKETS, registry=r)
+                                               "a request waited for (not confirmed)", buckets=LATENCY_BUCKETS, registry=r)
         self.overhead_seconds = Histogram("kvtier_overhead_seconds", "Sidecar time before forwarding (prompt tokens, "
                                           "slot choice, restore)", buckets=FAST_BUCKETS, registry=r)
         self.prompt_seconds = Histogram(
