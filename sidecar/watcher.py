@@ -15,7 +15,8 @@ and the request path move one state machine, written here once:
   answers: another model, build or slot count, or a slot's task id lower than recorded (task ids
   only grow within one process). However many parts notice one restart, it is learned once: the
   first check retires the old identity and the probe learns the new one; every later check
-  compares against the new one and finds it unchanged.
+  compares against the new one and finds it unchanged. Requests that queue behind a check begun
+  after they asked take its answer: a burst checks once, and reaches llama-server together.
 
 A save is stored only when the identity its request was planned in is still the one confirmed when
 the slot is read (``generation``); a relearn of the same process never happens, so it never
@@ -117,6 +118,10 @@ class ServerWatcher:
         self._doubted = False
         self._witness_of = witness  # None: no such signal; the health watcher's checks alone
         self._witness: Witness | None = None
+        # Checks and probes begun, and the number of the last one that confirmed llama-server: a
+        # caller that queued behind a check begun after it asked takes that check's answer.
+        self._begun = 0
+        self._confirmed_by = 0
         self._warned_unreadable = False
         self.up = True  # llama-server answered the health watcher's last check
 
@@ -151,7 +156,10 @@ class ServerWatcher:
         it cannot be reached or learned."""
         if self.confirmed:
             return True
+        asked = self._begun
         async with self._lock:
+            if self._confirmed_by > asked and self.target is not None and not self._doubted:
+                return True  # a check begun while this call waited confirmed it: once is enough
             try:
                 if self.target is not None and not self.confirmed:
                     log.info("checking llama-server's identity before a request: %s", self._unsure_why())
@@ -175,6 +183,7 @@ class ServerWatcher:
         the slot dir is the directory llama-server writes to.
         """
         self._probing = True
+        self._begun += 1
         try:
             await self._probe()
         finally:
@@ -222,7 +231,8 @@ class ServerWatcher:
         ns = Namespace(layout_fingerprint(identity, layout), chunk_tokens=self.settings.chunk_tokens)
         n_ctx = int(props.get("default_generation_settings", {}).get("n_ctx") or 0)
         await self.prompts.setup(props, self.settings.model or model_path)
-        llama_cache = await self._llama_cache(table, idle, memory, bytes_per_token, n_ctx * n_slots)
+        llama_cache = await _llama_cache(self.settings, self.client, table, idle, memory, bytes_per_token,
+                                         n_ctx * n_slots)
         # No await from here on: a request that finds the target set must find the new slot table.
         self.target = Target(n_slots, n_stream or 1, v_trans, model_id, ns, bytes_per_token, n_ctx, memory)
         self._signature = _signature(props)
@@ -233,27 +243,6 @@ class ServerWatcher:
         log.info("llama-server: %d slots, n_stream %d, v_trans %s, %d bytes/token, memory %s, namespace %s",
                  n_slots, self.target.n_stream, self.target.v_trans, bytes_per_token,
                  memory.label, ns.id)
-
-    async def _llama_cache(self, table: SlotTable, idle: list[int], memory: MemoryKind, bytes_per_token: int,
-                           n_ctx: int) -> LlamaPromptCache:
-        """A mirror of llama-server's own prompt cache, its size as configured (``--llama-cache-ram``)
-        or tested in the idle slot holding least (``llamacache.detect``: its content is given up).
-        Mirrored for a plain KV cache only: a state with a rest is reused whole or not at all.
-        ``n_ctx``: llama-server's whole context, what its cache keeps at most without a size limit."""
-        mib = self.settings.llama_cache_ram
-        if memory.has_rest:
-            mib = 0
-        elif mib is None:
-            mib = 0
-            if idle:
-                slot = min(idle, key=lambda s: table.slots[s].tokens.size)
-                try:
-                    mib = DEFAULT_MIB if await detect(self.client, slot) else 0
-                except LlamaServerError as exc:
-                    log.warning("could not tell whether llama-server keeps a prompt cache (%s): taken as none", exc)
-                table.set_tokens(slot, np.zeros(0, np.int32))
-            log.info("llama-server's own prompt cache: %s", f"on, taken as {mib} MiB" if mib else "off")
-        return LlamaPromptCache(mib, bytes_per_token, n_ctx)
 
     def _model_id(self, model_path: str, props: Mapping[str, Any]) -> str:
         if self.settings.model_id:
@@ -304,6 +293,7 @@ class ServerWatcher:
 
     def _confirm(self) -> None:
         self._doubted = False
+        self._confirmed_by = self._begun
         if self._witness_of is not None:
             self._witness = self._witness_of()
 
@@ -332,6 +322,7 @@ class ServerWatcher:
         retire it on evidence of another process. Returns ``/slots`` when confirmed."""
         target, table = self.target, self.slots
         assert target is not None and table is not None
+        self._begun += 1
         props = await self.client.props()
         if (_signature(props) != self._signature
                 or self._model_id(str(props.get("model_path") or ""), props) != target.model_id):
@@ -344,6 +335,28 @@ class ServerWatcher:
             return None
         self._confirm()
         return infos
+
+
+async def _llama_cache(settings: Settings, client: LlamaServerClient, table: SlotTable, idle: list[int],
+                       memory: MemoryKind, bytes_per_token: int, n_ctx: int) -> LlamaPromptCache:
+    """A mirror of llama-server's own prompt cache, its size as configured (``--llama-cache-ram``)
+    or tested in the idle slot holding least (``llamacache.detect``: its content is given up).
+    Mirrored for a plain KV cache only: a state with a rest is reused whole or not at all.
+    ``n_ctx``: llama-server's whole context, what its cache keeps at most without a size limit."""
+    mib = settings.llama_cache_ram
+    if memory.has_rest:
+        mib = 0
+    elif mib is None:
+        mib = 0
+        if idle:
+            slot = min(idle, key=lambda s: table.slots[s].tokens.size)
+            try:
+                mib = DEFAULT_MIB if await detect(client, slot) else 0
+            except LlamaServerError as exc:
+                log.warning("could not tell whether llama-server keeps a prompt cache (%s): taken as none", exc)
+            table.set_tokens(slot, np.zeros(0, np.int32))
+        log.info("llama-server's own prompt cache: %s", f"on, taken as {mib} MiB" if mib else "off")
+    return LlamaPromptCache(mib, bytes_per_token, n_ctx)
 
 
 async def sync_slots(files: SlotFiles, table: SlotTable, infos: list[dict[str, Any]]) -> None:

@@ -13,6 +13,7 @@ Real llama-servers, a real Valkey, SmolLM2 and two generated models of one shape
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 from collections.abc import AsyncIterator
@@ -112,6 +113,35 @@ async def test_a_turn_planned_before_a_restart_does_not_judge_the_new_server(
     assert sc.metric("kvtier_cache_errors_total", stage="server_changed") == skipped + 1
     assert sc.metric("kvtier_prompt_mismatches_total", step="render") == mismatches
     assert sc.metric("kvtier_prompt_in_process", step="render") == 1
+
+
+async def test_requests_that_queue_behind_one_identity_check_take_its_answer(
+        node: tuple[LlamaServer, Sidecar], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests that arrive together while llama-server is not confirmed (after 5 s idle, at
+    start-up) check its identity once, not once each in turn: each check is two calls to
+    llama-server, and requests let through one by one miss the batch the first one started."""
+    _, sc = node
+    watcher = sc.engine.watcher
+    assert await sc.engine.ensure_ready()
+    calls = 0
+    slots = watcher.client.slots
+
+    async def counted() -> list[dict[str, object]]:
+        nonlocal calls
+        calls += 1
+        return await slots()
+
+    monkeypatch.setattr(watcher.client, "slots", counted)
+    watcher.doubt()
+    assert all(await asyncio.gather(*(sc.engine.ensure_ready() for _ in range(6))))
+    # The first begins a check at once; those that asked after it had begun (it may have asked
+    # llama-server before they did) take the next one's answer: two checks, not six.
+    assert calls <= 2
+    # A doubt after those checks is not answered by them: the next request checks again.
+    before = calls
+    watcher.doubt()
+    assert await sc.engine.ensure_ready()
+    assert calls == before + 1
 
 
 # -- a model swapped behind the same URL ----------------------------------------------------------
