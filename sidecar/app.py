@@ -28,6 +28,7 @@ from .engine import KVEngine
 from .fleet import Fleet
 from .forward import Forwarder, ForwardMetrics
 from .http.upstream import Upstream
+from .http.witness import Witness
 from .logs import MalformedRequestFilter
 from .metrics import Metrics
 from .middlewares import front_middleware
@@ -84,12 +85,13 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
         connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S, limit=256),
     )
     upstream = Upstream(settings.llama_url)
+    witness = Witness(upstream)
     store, redis = build_store(settings)
     metrics = app[METRICS]
     metrics.attach_store(store)
     engine = KVEngine(settings, LlamaServerClient(settings.llama_url, session), store, metrics,
                       sessions_of(store, redis), events=redis.events if redis is not None else None,
-                      witness=upstream.witness, pending=pending_of(redis))
+                      witness=witness.current, pending=pending_of(redis))
     metrics.attach_cost(engine.cost)
     # The table of the moment: the watcher replaces it when llama-server restarts.
     metrics.attach_queue(lambda: engine.slots.queue_depth if engine.slots is not None else 0)
@@ -99,7 +101,9 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     app[EVENTS] = redis.events if redis is not None else None
     app[ENGINE] = engine
     loop = asyncio.get_running_loop()
-    tasks = [loop.create_task(engine.watcher.watch_forever(HEALTH_INTERVAL_S), name="kvtier-health")]
+    # The witness first: the first probe takes the chain that was open before it began.
+    tasks = [loop.create_task(witness.keep_forever(), name="kvtier-witness"),
+             loop.create_task(engine.watcher.watch_forever(HEALTH_INTERVAL_S), name="kvtier-health")]
     if redis is not None:  # purges done elsewhere (another node, the CLI) reach this node's tiers
         tasks.append(loop.create_task(follow_purges(engine, redis.connection, redis.events), name="kvtier-purges"))
     if settings.prewarm and redis is not None:

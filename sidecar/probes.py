@@ -53,7 +53,8 @@ async def readyz(request: web.Request) -> web.Response:
 
     async def kv_cache() -> None:
         try:
-            ready = await _bounded(engine.ensure_ready())
+            # The watcher's own: a readiness poll is not a request held by a check (that metric's job).
+            ready = await _bounded(engine.watcher.ensure_ready())
             checks["kv_cache"] = "ok" if ready else f"not ready: {engine.last_error}"
         except TimeoutError:
             checks["kv_cache"] = f"not ready: still learning llama-server after {CHECK_TIMEOUT_S:g} s"

@@ -467,21 +467,23 @@ class SlotTable(SlotRecords):
         """kvtier reads ``slot`` again since llama-server reports ``held`` tokens (once per count)."""
         self.slots[slot].resynced = held
 
-    def note_tasks(self, infos: list[dict[str, Any]]) -> bool:
-        """Record each slot's last task id from llama-server's ``/slots``; True when one is lower
+    def note_tasks(self, infos: list[dict[str, Any]]) -> bool | None:
+        """Record each slot's last task id from llama-server's ``/slots``. True when one is lower
         than recorded, or gone: task ids only grow within one llama-server process, so another
-        process answers now."""
-        restarted = False
+        process answers now. False when some recorded id was found again or higher; None when no
+        slot had one recorded (no slot ran a task yet): nothing tells one process from another."""
+        verdict: bool | None = None
         for info in infos:
             slot_id, task = info.get("id"), info.get("id_task")
             if not isinstance(slot_id, int) or not 0 <= slot_id < self.n_slots:
                 continue
             slot = self.slots[slot_id]
             task = task if isinstance(task, int) and not isinstance(task, bool) else None
-            if slot.task_id is not None and (task is None or task < slot.task_id):
-                restarted = True
+            if slot.task_id is not None:
+                went_back = task is None or task < slot.task_id
+                verdict = went_back or bool(verdict)
             slot.task_id = task
-        return restarted
+        return verdict
 
     def tokens(self, slot: int) -> np.ndarray:
         return self.slots[slot].tokens

@@ -8,9 +8,11 @@ and the request path move one state machine, written here once:
        +------ check: another process ----+   (and from KNOWN, when the health loop's check says so)
 
 - ``probe`` (RELEARNING while it runs) learns slots, layout and namespace, and numbers a new identity.
-- Doubt comes from: the witness closing (one of the relay's kept connections to llama-server: a
-  process that exits takes its sockets with it), a failed health check, and an answer that reused
-  less than planned (a ``prompt_n`` surprise). A doubt alone never forgets anything.
+- Doubt comes from: the witness chain breaking (a connection kept open to llama-server for that
+  alone, ``sidecar.http.witness``: a process that exits takes its sockets with it), a failed health
+  check, and an answer that reused less than planned (a ``prompt_n`` surprise). A doubt alone
+  never forgets anything. KNOWN lasts while the chain that was open before the last check or probe
+  holds; a check that had no task id to compare takes no chain (the next request checks again).
 - The check (``/props`` and ``/slots``) retires the identity only on evidence that another process
   answers: another model, build or slot count, or a slot's task id lower than recorded (task ids
   only grow within one process). However many parts notice one restart, it is learned once: the
@@ -57,7 +59,7 @@ def _signature(props: Mapping[str, Any]) -> tuple[str, ...]:
 
 
 class Witness(Protocol):
-    """Something whose ``closed`` turns true if llama-server restarts (a connection to it)."""
+    """Something whose ``closed`` turns true if llama-server restarts (``sidecar.http.witness.Chain``)."""
 
     @property
     def closed(self) -> bool: ...
@@ -149,7 +151,7 @@ class ServerWatcher:
     def _unsure_why(self) -> str:
         if self._doubted:
             return "doubted (a failed health check, or an answer that reused less than planned)"
-        return "no connection was open to witness it" if self._witness is None else "its witness connection closed"
+        return "no witness held since the last check" if self._witness is None else "its witness closed"
 
     async def ensure_ready(self) -> bool:
         """Learn llama-server if not done yet, and confirm it is still the same one; False while
@@ -190,6 +192,7 @@ class ServerWatcher:
             self._probing = False
 
     async def _probe(self) -> None:
+        chain = self._chain()  # open before the probe and after it: the process it learned
         props = await self.client.props()
         n_slots = int(props.get("total_slots") or 0)
         if n_slots <= 0:
@@ -239,7 +242,7 @@ class ServerWatcher:
         self.slots = table
         self.llama_cache = llama_cache
         self.generation += 1
-        self._confirm()
+        self._confirm(chain)
         log.info("llama-server: %d slots, n_stream %d, v_trans %s, %d bytes/token, memory %s, namespace %s",
                  n_slots, self.target.n_stream, self.target.v_trans, bytes_per_token,
                  memory.label, ns.id)
@@ -291,11 +294,15 @@ class ServerWatcher:
         self._witness = None
         self.generation += 1
 
-    def _confirm(self) -> None:
+    def _chain(self) -> Witness | None:
+        return self._witness_of() if self._witness_of is not None else None
+
+    def _confirm(self, witness: Witness | None) -> None:
+        """A check or probe found the process it expects; ``witness``, a chain that was open
+        before it began (else None), vouches for that process from now on while it holds."""
         self._doubted = False
         self._confirmed_by = self._begun
-        if self._witness_of is not None:
-            self._witness = self._witness_of()
+        self._witness = witness
 
     async def check_server(self) -> None:
         """Notice a llama-server that restarted or changed under us, and slots used without kvtier
@@ -323,17 +330,22 @@ class ServerWatcher:
         target, table = self.target, self.slots
         assert target is not None and table is not None
         self._begun += 1
+        chain = self._chain()
         props = await self.client.props()
         if (_signature(props) != self._signature
                 or self._model_id(str(props.get("model_path") or ""), props) != target.model_id):
             self._retire("changed (model, build or slots)")
             return None
         infos = await self.client.slots()
-        if table.note_tasks(infos):
+        verdict = table.note_tasks(infos)
+        if verdict:
             # Even a slot kvtier is saving now holds another process's KV (or none): relearn all.
             self._retire("restarted (a slot's task id went back)")
             return None
-        self._confirm()
+        # Without a task id to compare (no slot ran one yet) nothing tells this process from
+        # another: confirmed for now, but a chain begun since a restart would vouch for the
+        # wrong one, so none is taken and the next request checks again.
+        self._confirm(chain if verdict is False else None)
         return infos
 
 

@@ -75,6 +75,27 @@ async def test_a_restart_is_known_before_the_next_turn(node: tuple[LlamaServer, 
     assert first.prompt_n > 5 * CHUNK  # what a recompute would have cost
 
 
+async def test_an_idle_sidecar_stays_sure_of_its_llama_server(node: tuple[LlamaServer, Sidecar]) -> None:
+    """llama-server closes a connection idle for 5 s. The witness kvtier keeps open for itself
+    outlives that, so a request after a pause (a tool call, a user reading) is not held up by a
+    check of llama-server's identity first; and a restart still breaks it at once."""
+    llama, sc = node
+    assert (await post(sc.url + "/v1/chat/completions", chat([], "What does shelf 5 hold?"))).status == 200
+    await settle(sc)
+    await asyncio.sleep(7)  # past llama-server's idle timeout, and kvtier's own for relayed connections
+    watcher = sc.engine.watcher
+    checks = sc.metric("kvtier_server_checks_seconds_count")
+    for _ in range(10):  # across a health check or two: none lost the witness
+        assert watcher.confirmed
+        await asyncio.sleep(0.25)
+    assert (await post(sc.url + "/v1/chat/completions", chat([], "What does shelf 6 hold?"))).status == 200
+    assert sc.metric("kvtier_server_checks_seconds_count") == checks
+    await settle(sc)
+    llama.restart()
+    await asyncio.sleep(0.2)  # the loop, blocked by the restart, takes in the closed connection
+    assert not watcher.confirmed
+
+
 async def test_the_next_turn_at_once_keeps_its_own_slot(node: tuple[LlamaServer, Sidecar]) -> None:
     _, sc = node
     await settle(sc)

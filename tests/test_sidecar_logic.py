@@ -471,7 +471,8 @@ def test_an_answer_whose_last_event_arrived_is_finished_though_its_connection_wa
 
 def test_task_ids_that_go_back_tell_another_process() -> None:
     table = SlotTable(2)
-    assert not table.note_tasks([{"id": 0, "id_task": 7}, {"id": 1}])
+    assert table.note_tasks([{"id": 0, "id_task": 7}, {"id": 1}]) is None  # nothing recorded to compare
+    assert table.note_tasks([{"id": 0, "id_task": 7}, {"id": 1}]) is False
     assert not table.note_tasks([{"id": 0, "id_task": 9}, {"id": 1, "id_task": 10}])  # they grow
     assert table.note_tasks([{"id": 0, "id_task": 2}, {"id": 1, "id_task": 11}])  # slot 0 went back
     assert table.note_tasks([{"id": 0, "id_task": 2}, {"id": 1}])  # slot 1's task is gone

@@ -16,8 +16,10 @@ import pytest
 import uvloop
 
 import sidecar.http.upstream as upstream_module
+import sidecar.http.witness as witness_module
 from sidecar.config import Settings
 from sidecar.http.upstream import MAX_HEAD, PAUSE_AT, Upstream, UpstreamError
+from sidecar.http.witness import Witness
 from tests.servers import free_port
 from tests.sidecars import run_sidecar
 
@@ -397,3 +399,47 @@ async def test_the_sidecar_answers_502_or_cuts_the_client_off(tmp_path: Path) ->
                 await asyncio.wait_for(r.read(), 10)
     finally:
         server.close()
+
+
+def test_the_witness_keeps_one_chain_across_connections_until_one_breaks(
+        loop: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The witness opens a connection of its own and asks ``/health`` on it; after
+    ``PASS_ON_AFTER`` requests it opens the next and asks once more on the old one, and the chain
+    goes on (llama-server caps requests per connection). A connection closed without an answer
+    breaks the chain, and the next step starts another."""
+    monkeypatch.setattr(witness_module, "PASS_ON_AFTER", 2)
+
+    async def body(upstream: Upstream, server: ScriptedServer) -> None:
+        witness = Witness(upstream)
+        assert witness.current() is None
+        await witness.keep()
+        chain = witness.current()
+        assert chain is not None and not chain.closed
+        await witness.keep()
+        await witness.keep()
+        assert server.requests[0].startswith(b"GET /health HTTP/1.1\r\n")
+        await witness.keep()  # passes the watch on: a second connection, the same chain
+        await until(lambda: server.connections == 2, "the server sees the next connection")
+        assert witness.current() is chain and not chain.closed and len(server.requests) == 3
+        await witness.keep()  # closed without an answer
+        assert chain.closed and witness.current() is None
+        await witness.keep()
+        assert witness.current() not in (None, chain)
+        assert not upstream._idle  # never in the relay's pool
+
+    run(loop, [ok(b'{"status":"ok"}')] * 3 + [None], body)
+
+
+def test_a_witness_that_does_not_answer_in_time_breaks_its_chain(loop: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A health check not answered within its timeout breaks the chain (llama-server's identity is
+    then checked before the next request) rather than wait on it."""
+    monkeypatch.setattr(witness_module, "TIMEOUT_S", 0.05)
+
+    async def body(upstream: Upstream, server: ScriptedServer) -> None:
+        witness = Witness(upstream)
+        await witness.keep()
+        chain = witness.current()
+        await witness.keep()  # the server never finishes the head
+        assert chain is not None and chain.closed and witness.current() is None
+
+    run(loop, [[b"HTTP/1.1 200 OK\r\n"]], body)

@@ -9,10 +9,9 @@ Why kvtier has its own client rather than aiohttp's, for this one job:
   closes) itself. Body pieces reach the caller as they arrive (SSE is never held back); closing a
   response that is still being read closes its connection, which makes llama-server cancel the
   generation.
-- A witness of the process. A connection open to llama-server dies with the process behind it, so
-  while one stays open (``Upstream.witness``) llama-server has not restarted. The server watcher
-  holds one to know, at the cost of an attribute read per request, that llama-server is still the
-  one it learned (``sidecar/watcher.py``).
+- A witness of the process: a connection of its own, kept open to llama-server, which dies with the
+  process behind it (``sidecar.http.witness``). This client opens it (``connect``) and asks
+  ``/health`` on it (``health_on``), outside the pool.
 
 kvtier's own calls to llama-server (slot save, restore and erase, tokenize, props, health) go through
 aiohttp's pool in ``integrations.llama_server.LlamaServerClient``, not this one. The two are kept
@@ -30,7 +29,6 @@ import re
 import socket
 import ssl
 import time
-import weakref
 from collections.abc import AsyncIterator, Iterable
 from urllib.parse import urlsplit
 
@@ -74,8 +72,7 @@ class Upstream:
         self.host_header = netloc.encode("idna") if not netloc.isascii() else netloc.encode()
         self.keepalive_s = keepalive_s
         self.connect_timeout = connect_timeout
-        self._idle: collections.deque[_Connection] = collections.deque()
-        self._open: weakref.WeakSet[_Connection] = weakref.WeakSet()
+        self._idle: collections.deque[Connection] = collections.deque()
         self._active = asyncio.Semaphore(max_active)
         self._closed = False
 
@@ -135,7 +132,7 @@ class Upstream:
             lines.append(b"Content-Length: %d" % len(body))
         return b"\r\n".join(lines) + b"\r\n\r\n" + body
 
-    def _take_idle(self) -> _Connection | None:
+    def _take_idle(self) -> Connection | None:
         now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()  # the most recently used: least likely to have been dropped
@@ -144,26 +141,41 @@ class Upstream:
             conn.close()
         return None
 
-    async def _connect(self) -> _Connection:
+    async def _connect(self) -> Connection:
         if self._closed:
             raise UpstreamError("client closed")
         loop = asyncio.get_running_loop()
         context = ssl.create_default_context() if self.ssl else None
         _, conn = await asyncio.wait_for(
-            loop.create_connection(_Connection, self.host, self.port, ssl=context), self.connect_timeout)
-        self._open.add(conn)
+            loop.create_connection(Connection, self.host, self.port, ssl=context), self.connect_timeout)
         return conn
 
-    def witness(self) -> _Connection | None:
-        """A connection to the server that is open now (idle or answering), or None.
+    async def connect(self) -> Connection:
+        """A new connection of the caller's own, outside the pool (the witness keeps one)."""
+        return await self._connect()
 
-        While it stays open the process behind it has not restarted: its sockets die with it. The
-        server watcher holds one to know, at the cost of an attribute read per request, that
-        llama-server is still the one it learned (sidecar/watcher.py).
-        """
-        return next((c for c in self._open if not c.closed), None)
+    async def health_on(self, conn: Connection, timeout: float) -> bool:
+        """``GET /health`` on ``conn``: whether llama-server answered it within ``timeout`` and
+        kept the connection open. One that fails is closed."""
+        response = UpstreamResponse(self, conn, head_only=False)
+        try:
+            conn.start(response, self._encode("GET", "/health", (), b""))
+            async with asyncio.timeout(timeout):
+                await response.wait_head()
+                await response.read()
+        except (UpstreamError, TimeoutError):
+            conn.close()
+            return False
+        except BaseException:  # cancelled mid-exchange: the connection is in an unknown state
+            conn.close()
+            raise
+        finally:
+            conn.response = None
+        if not response.keep_alive:
+            conn.close()
+        return response.status == 200 and not conn.closed
 
-    def put_back(self, conn: _Connection) -> None:
+    def put_back(self, conn: Connection) -> None:
         if self._closed or conn.closed or len(self._idle) >= MAX_IDLE:
             conn.close()
             return
@@ -176,7 +188,7 @@ class Upstream:
             self._idle.pop().close()
 
 
-class _Connection(asyncio.Protocol):
+class Connection(asyncio.Protocol):
     """One TCP connection; the response being read gets its bytes."""
 
     def __init__(self) -> None:
@@ -243,9 +255,9 @@ class UpstreamResponse:
     """One answer: its head once :meth:`Upstream.request` returns, its body by :meth:`read` or
     :meth:`iter_any`. :meth:`release` when done (the connection is kept only after a whole answer)."""
 
-    def __init__(self, upstream: Upstream, conn: _Connection, *, head_only: bool) -> None:
+    def __init__(self, upstream: Upstream, conn: Connection, *, head_only: bool) -> None:
         self._upstream = upstream
-        self._conn: _Connection | None = conn
+        self._conn: Connection | None = conn
         self._head_only = head_only
         self.status = 0
         self.reason = ""
