@@ -19,6 +19,7 @@ Real llama-servers, a real Valkey, in-process sidecars.
 
 from __future__ import annotations
 
+import asyncio
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from typing import Any
 import pytest
 import redis
 
+import sidecar.http.witness as witness_module
 from integrations.stateparse import parse_state
 from integrations.swa import gguf_sliding_window, pad_swa_window
 from sidecar.config import Settings
@@ -178,6 +180,26 @@ async def test_a_model_with_recurrent_memory_hops_nodes(redis_srv: RedisProc, tm
     for hop in hops[1:]:
         assert hop.restored > 250 and hop.prompt_n <= 12, hop  # only the new tokens (and the last answer token)
     assert answers == reference
+
+
+async def test_a_restart_before_any_task_is_not_vouched_for_by_a_witness_opened_after_it(
+        redis_srv: RedisProc, tmp_path: Path) -> None:
+    """A recurrent model's slots run no task while kvtier learns them, so no task id can show a
+    restart. The witness connection kvtier keeps reopens to the new process within 2 s; a check
+    then finds nothing that tells the processes apart, and must not take that new connection as
+    its witness (the restart would never be noticed): the next request checks again."""
+    model = str(write_random_model(tmp_path / "mamba2.gguf", smollm2_path(), RECURRENT["mamba2"], arch="mamba2",
+                                   seed=11))
+    async with AsyncExitStack() as stack:
+        llama, sc = await _node(stack, tmp_path, "a", model, ("-c", "2048"), redis_srv.url)
+        watcher = sc.engine.watcher
+        table = watcher.slots
+        assert table is not None and all(slot.task_id is None for slot in table.slots)
+        await asyncio.to_thread(llama.restart)
+        await asyncio.sleep(2 * witness_module.INTERVAL_S + 0.5)  # the witness reopened, to the new process
+        assert not watcher.confirmed
+        assert await sc.engine.ensure_ready()  # a check: the same model, and no task id to compare
+        assert not watcher.confirmed
 
 
 @pytest.mark.parametrize("prompt_end", [True, False], ids=["save-prompt-end", "without"])
