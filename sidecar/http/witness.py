@@ -53,8 +53,7 @@ class Witness:
     def __init__(self, upstream: Upstream) -> None:
         self.upstream = upstream
         self._chain: Chain | None = None
-        self._conn: Connection | None = None
-        self._uses = 0
+        self._uses = 0  # requests on the chain's connection
 
     def current(self) -> Chain | None:
         """The chain that holds now; None before one is open and after one broke, until the next opens."""
@@ -65,17 +64,16 @@ class Witness:
     def _break(self) -> None:
         if self._chain is not None:
             self._chain.break_off()
-        self._chain, self._conn = None, None
+        self._chain = None
 
     async def keep(self) -> None:
         """One step: open a chain if none holds; else check that its connection still answers,
         passing the watch to a new connection after ``PASS_ON_AFTER`` requests."""
-        conn = self._conn
-        if conn is None or conn.closed:
-            self._break()
-            self._conn, self._uses = await self.upstream.connect(), 0
-            self._chain = Chain(self._conn)
+        chain = self.current()
+        if chain is None:
+            self._chain, self._uses = Chain(await self.upstream.connect()), 0
             return
+        conn = chain.conn
         successor = await self.upstream.connect() if self._uses >= PASS_ON_AFTER else None
         try:
             answered = await self.upstream.health_on(conn, TIMEOUT_S)
@@ -89,10 +87,9 @@ class Witness:
             self._break()
             if successor is not None:
                 successor.close()
-        elif successor is not None and self._chain is not None:
+        elif successor is not None:
             # The old one answered after the new one was open: both reached one process.
-            self._conn, self._uses = successor, 0
-            self._chain.conn = successor
+            chain.conn, self._uses = successor, 0
             conn.close()
 
     async def keep_forever(self, interval: float = INTERVAL_S) -> None:
@@ -106,6 +103,6 @@ class Witness:
             self.close()
 
     def close(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
+        if self._chain is not None:
+            self._chain.conn.close()
         self._break()
