@@ -16,6 +16,7 @@ from aiohttp import web
 from sidecar.app import create_app
 from sidecar.appkeys import ENGINE, METRICS, STORE
 from sidecar.config import Settings
+from sidecar.costmodel import Ewma
 from tests.servers import LlamaServer, RedisProc, free_port
 
 
@@ -36,6 +37,31 @@ class Sidecar:
     def metric(self, name: str, **labels: str) -> float:
         value = self.app[METRICS].registry.get_sample_value(name, labels or None)
         return float(value or 0.0)
+
+    def pin_prefill_rate(self, tokens_per_s: float) -> None:
+        """Have the cost model price every recompute at ``tokens_per_s``, whatever prefills it sees.
+
+        For tests of what a restore does, not of whether one is chosen: on a shared CI machine the
+        learned prefill rate beside a slow restore can price a small restore out, by the clock.
+        """
+        cost = self.engine.cost
+        cost.prefill_tps = _Pinned(tokens_per_s)
+        cost.prefill_shared = [_Pinned(tokens_per_s) for _ in cost.prefill_shared]
+
+    def decisions(self) -> dict[str, float]:
+        """The cost model's decisions so far, by outcome (for an assertion's message)."""
+        return {d: self.metric("kvtier_cost_decisions_total", decision=d) for d in ("restore", "recompute", "spared")}
+
+
+class _Pinned(Ewma):
+    """A rate that learns nothing."""
+
+    def __init__(self, value: float):
+        super().__init__(value)
+        self.samples = 1
+
+    def update(self, sample: float) -> None:
+        pass
 
 
 # How long a new sidecar may take to learn its llama-server before the test goes on anyway.

@@ -64,6 +64,8 @@ async def pair(redis_srv: RedisProc, tmp_path_factory: pytest.TempPathFactory) -
     tmp: Path = tmp_path_factory.mktemp("hardening")
     with llama_server(tmp) as la, llama_server(tmp) as lb:
         async with run_sidecar(settings(la, redis_srv.url, "a")) as a, run_sidecar(settings(lb, redis_srv.url, "b")) as b:
+            for node in (a, b):  # these tests are of what a restore does: every one here is worth it
+                node.pin_prefill_rate(100.0)
             yield Pair(a, b, redis_srv)
 
 
@@ -260,7 +262,7 @@ async def test_a_session_restored_where_it_was_saved_loads_the_file_its_save_lef
     manifest = await a.engine.sessions.load(a.engine.target.namespace, sid)
     follow = completion(text + first.content + "\nQuestion: and which holds 77?\nAnswer:")
     on_a = await post(a.url + "/completion", follow, headers={**AUTH, "X-Session-Id": sid})
-    assert on_a.status == 200 and on_a.headers["X-KVTier-Restore-Tier"] == "file", on_a.headers
+    assert on_a.status == 200 and on_a.headers["X-KVTier-Restore-Tier"] == "file", (on_a.headers, a.decisions())
     assert on_a.restored == manifest.n_tokens
     assert a.metric("kvtier_restores_total", tier="file", outcome="ok") == loaded + 1
     assert on_a.prompt_n < int(on_a.headers["X-KVTier-Prompt-Tokens"]) - on_a.restored + 8
@@ -281,7 +283,8 @@ async def test_a_session_restores_from_the_local_tiers_while_redis_is_down(pair:
         on_a = await post(a.url + "/completion", follow, headers={**AUTH, "X-Session-Id": sid})
         assert on_a.status == 200
         # From this node's own copies: the RAM tier, or the file its save left in the slot dir.
-        assert on_a.restored > 0 and on_a.headers["X-KVTier-Restore-Tier"] in ("memory", "file"), on_a.headers
+        assert on_a.restored > 0 and on_a.headers["X-KVTier-Restore-Tier"] in ("memory", "file"), (on_a.headers,
+                                                                                                  a.decisions())
         assert on_a.prompt_n < int(on_a.headers["X-KVTier-Prompt-Tokens"]) - on_a.restored + 8
         await a.engine.drain(60)
         # This node's copy follows its own saves: the next turn restores the longer session.
@@ -306,7 +309,8 @@ async def test_an_unknown_session_with_redis_down_still_restores_what_the_tiers_
                          headers={**AUTH, "X-Session-Id": "never-" + uuid.uuid4().hex[:6]})
         assert ans.status == 200
         # From this node's own copies: the RAM tier, or the file its save left in the slot dir.
-        assert ans.restored > 0 and ans.headers["X-KVTier-Restore-Tier"] in ("memory", "file"), ans.headers
+        assert ans.restored > 0 and ans.headers["X-KVTier-Restore-Tier"] in ("memory", "file"), (ans.headers,
+                                                                                                a.decisions())
     finally:
         pair.redis.start()
 
