@@ -8,6 +8,7 @@ import hashlib
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 
+import numpy as np
 import pytest
 import redis
 
@@ -181,6 +182,10 @@ async def test_promotion_can_wait_until_the_payloads_are_used(store: TieredStore
     assert (await fresh.lookup(NS, toks)).tiers == ["redis"] * 3
     await fresh.promote(got)  # after the answer
     assert fresh.counters.promotions == 6 and (await fresh.lookup(NS, toks)).tiers == ["memory"] * 3
+    # The RAM tier keeps the very buffers the fetch read: a restore's state is not held twice.
+    held = await tier(fresh, "memory").get_many(got.keys)
+    assert all(np.shares_memory(np.frombuffer(held[k], np.uint8), np.frombuffer(b, np.uint8))
+               for k, b in zip(got.keys, got.blobs))
 
 
 # -- dedup ----------------------------------------------------------------------------------------

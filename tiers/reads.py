@@ -138,10 +138,14 @@ class Promoter:
 
     async def promote(self, keys: Sequence[bytes], sources: Sequence[str],
                       blobs: Sequence[bytes | memoryview]) -> None:
-        """Copy the value of each key, found in tier ``sources[i]``, into the synchronous tiers above it."""
+        """Copy the value of each key, found in tier ``sources[i]``, into the synchronous tiers above it.
+
+        The blobs go as they are: a tier copies what it may not keep (the RAM tier keeps a buffer of
+        its own, such as a value the bulk lane read, and copies a view of a mapped file). A copy
+        here would hold a restore's state twice while it is promoted."""
         for tier in self._sync:
             items = {
-                key: bytes(blob)
+                key: blob
                 for key, src, blob in zip(keys, sources, blobs)
                 if self._order[src] > self._order[tier.name]
             }
@@ -171,7 +175,7 @@ class Promoter:
                 try:
                     got = await source.get_many(wanted)
                     if got:
-                        copied += await tier.put_many({k: bytes(v) for k, v in got.items()})
+                        copied += await tier.put_many(got)
                 except Exception:
                     log.warning("prefetch from %s into %s failed", source.name, tier.name, exc_info=True)
                 wanted = [k for k in wanted if k not in got]
