@@ -108,7 +108,7 @@ def state_pieces(
         return [_empty_state(n_stream)]
     transposing = v_trans or any(i.v_trans for i in infos)
     els = [_target_el(la, infos, v_trans, il) for il, la in enumerate(layers)] if transposing else []
-    pieces = [_restore_head(toks[:n_cells], n_stream, v_trans, len(layers))]
+    pieces = [restore_head(toks[:n_cells], n_stream, v_trans, len(layers))]
     arrays = [as_uint8(p) for p in payloads]
     views = [a.data for a in arrays]
     at = [i.data_offset for i in infos]  # where each payload's next block starts
@@ -141,7 +141,7 @@ def _empty_state(n_stream: int) -> memoryview:
     return empty.data
 
 
-def _restore_head(toks: np.ndarray, n_stream: int, v_trans: bool, n_layer: int) -> memoryview:
+def restore_head(toks: np.ndarray, n_stream: int, v_trans: bool, n_layer: int) -> memoryview:
     """Everything before the first layer's K rows: header, tokens, stream count, cells, V layout.
 
     One cell per token, at positions ``0..n-1``, of sequence 0, in stream 0.

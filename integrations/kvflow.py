@@ -44,7 +44,7 @@ from tiers.keys import (
 )
 from tiers.pending import PendingMark, PendingSaves
 from tiers.sessions import Manifest, SessionError, SessionStore
-from tiers.store import Announce, FetchResult, LookupResult, StoreResult, TailHit, TieredStore
+from tiers.store import Announce, FetchResult, LookupResult, StoreResult, TailHit, TieredStore, Verified
 from tiers.threads import in_background
 
 from .chunks import read_chunk_header
@@ -268,20 +268,7 @@ async def fetch_prefix(store: TieredStore, namespace: Namespace, found: PrefixFo
         if found.whole:  # chunks without the rest their tail carries restore nothing
             return PrefixFetched([], 0, frozenset(), fetched.first(0, C), None)
         return PrefixFetched(payloads, n_tokens, frozenset(tiers), fetched, None)
-    tail_payload: bytes | memoryview | None = tail_value.payload
-    restored_tail: TailHit | None = tail
-    if is_ref(tail_value.payload):
-        parent = found.chunks.chunks[-1] if found.chunks.n_chunks else namespace.digest
-        tail_payload, reason = await _resolve_ref(store, namespace, tail_value.payload, parent,
-                                                  found.tail_tokens, n_tokens, rest=found.whole)
-        if reason is not None:  # forged, or of another prompt: a miss, counted, and deleted
-            await store.reject(tail.key, tail_value.tier, reason)
-        restored_tail = None  # the value a reference names is no tail of the context it is restored into
-    else:
-        reason = content_mismatch(tail_value.payload, n_tokens, tail.n_tokens, rest=found.whole)
-        if reason is not None:
-            await store.reject(tail.key, tail_value.tier, reason)
-            tail_payload = None
+    tail_payload, restored_tail = await checked_tail(store, namespace, found, tail, tail_value, n_tokens)
     if tail_payload is None:
         if found.whole:
             return PrefixFetched([], 0, frozenset(), fetched.first(0, C), None)
@@ -289,6 +276,26 @@ async def fetch_prefix(store: TieredStore, namespace: Namespace, found: PrefixFo
     payloads.append(tail_payload)
     tiers.add(tail_value.tier)
     return PrefixFetched(payloads, n_tokens + tail.n_tokens, frozenset(tiers), fetched, restored_tail)
+
+
+async def checked_tail(store: TieredStore, namespace: Namespace, found: PrefixFound, tail: TailHit,
+                       tail_value: Verified, first_pos: int) -> tuple[bytes | memoryview | None, TailHit | None]:
+    """The payload of ``found``'s ``tail``, read as ``tail_value``, when it holds the tail's cells from
+    ``first_pos`` (a prefix reference resolved to the value it names), and the tail a context then
+    answers for (None for a reference: the value it names is no tail of this context); (None,
+    None) when it is refused, which is counted and deleted."""
+    if is_ref(tail_value.payload):
+        parent = found.chunks.chunks[-1] if found.chunks.n_chunks else namespace.digest
+        payload, reason = await _resolve_ref(store, namespace, tail_value.payload, parent,
+                                             found.tail_tokens, first_pos, rest=found.whole)
+        if reason is not None:  # forged, or of another prompt: a miss, counted, and deleted
+            await store.reject(tail.key, tail_value.tier, reason)
+        return payload, None
+    reason = content_mismatch(tail_value.payload, first_pos, tail.n_tokens, rest=found.whole)
+    if reason is not None:
+        await store.reject(tail.key, tail_value.tier, reason)
+        return None, None
+    return tail_value.payload, tail
 
 
 def content_mismatch(payload: bytes | memoryview, first_pos: int, n_cells: int,

@@ -114,6 +114,8 @@ class Settings:
     shared_dir: str | None = _option(None, "node-local shared tier directory (e.g. /dev/shm/kvtier); off when unset")
     shared_size: int = _option(4 << 30, "shared tier budget", _size)
     chunk_tokens: int = _option(256, "tokens per prefix chunk", _int)
+    restore_window: int = _option(64 << 20, "bytes a large restore fetches while it writes the ones before into "
+                                            "its file (two windows held at most, each two chunks or more)", _size)
     compress: str = _option("adaptive", "adaptive, lz4, zstd or none")
     ttl: int = _option(86400, "seconds a chunk lives in Redis after its last hit (0 = no expiry)", _int)
     chunk_key: str | None = _option(None, "secret shared by every node (16+ characters): stored values carry a keyed "
@@ -318,8 +320,9 @@ def validate(s: Settings) -> None:
         parse_redis_url(s.redis_url)  # the tier's own parser: one definition of what a Redis URL may be
     if not 0 <= s.save_nice <= 19:
         raise ConfigError(f"save_nice must be within 0-19, got {s.save_nice}")
-    if s.cache_size <= 0:
-        raise ConfigError("cache_size must be positive")
+    for name in ("cache_size", "restore_window", "body_timeout", "queue_limit"):
+        if getattr(s, name) <= 0:
+            raise ConfigError(f"{name} must be positive")
     if s.shared_dir is not None and s.shared_size <= 0:
         raise ConfigError("shared_size must be positive when shared_dir is set")
     if not 16 <= s.chunk_tokens <= 65536:
@@ -340,16 +343,12 @@ def validate(s: Settings) -> None:
         raise ConfigError("auth_all needs auth_token or auth_token_file")
     if s.max_body < 1024:
         raise ConfigError("max_body must be at least 1K")
-    if s.body_timeout <= 0:
-        raise ConfigError("body_timeout must be positive")
     if s.max_prompt_chars < 0:
         raise ConfigError("max_prompt_chars must not be negative")
     if s.max_json_values < 0 or s.max_grammar_chars < 0 or s.max_grammar_depth < 0:
         raise ConfigError("max_json_values, max_grammar_chars and max_grammar_depth must not be negative")
     if not 1 <= s.max_json_depth <= 254:
         raise ConfigError(f"max_json_depth must be in 1..254, got {s.max_json_depth}")
-    if s.queue_limit <= 0:
-        raise ConfigError("queue_limit must be positive")
     if not 0 <= s.save_wait <= 60:
         raise ConfigError("save_wait must be between 0 and 60 seconds")
     if s.llama_cache_ram is not None and s.llama_cache_ram < -1:

@@ -81,6 +81,7 @@ class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        self._restore_metrics(r)
         self.requests = Counter("kvtier_requests", "Completion requests by path and outcome", ["path", "outcome"], registry=r)
         self.tokens_restored = Counter("kvtier_tokens_restored", "Prompt tokens restored from the tiers", registry=r)
         self.tokens_recomputed = Counter("kvtier_tokens_recomputed", "Prompt tokens llama-server computed (prompt_n)", registry=r)
@@ -89,7 +90,6 @@ class Metrics:
         self.follow_ups = Counter("kvtier_follow_ups", "Requests sent to the slot holding what they continue, "
                                   "without tokenizing them (nothing to restore)", registry=r)
         self.tokens_slot_reused = Counter("kvtier_tokens_slot_reused", "Prompt tokens already in the chosen slot", registry=r)
-        self.restores = Counter("kvtier_restores", "Restores by source tier and outcome", ["tier", "outcome"], registry=r)
         self.saves_skipped = Counter("kvtier_saves_skipped", "Saves after an answer not made: the conversation's "
                                      "next request already waited for the slot (its own save stores it all)",
                                      registry=r)
@@ -103,13 +103,6 @@ class Metrics:
                                         "answer (--save-prompt-end): stored, or failed (the request goes on)",
                                         ["outcome"], registry=r)
         self.cache_errors = Counter("kvtier_cache_errors", "Cache failures that fell back to recompute", ["stage"], registry=r)
-        self.restores_wasted = Counter("kvtier_restores_wasted", "Restores llama-server threw away (it recomputed "
-                                       "what was restored), by memory layout", ["layout"], registry=r)
-        self.reuse_failures = Counter("kvtier_restore_not_reused", "Restores after which prompt_n showed a re-prefill", registry=r)
-        self.restore_seconds = Histogram("kvtier_restore_seconds", "Fetch + assemble + restore", buckets=LATENCY_BUCKETS, registry=r)
-        self.restore_phase_seconds = Histogram(
-            "kvtier_restore_phase_seconds", "Restore time by phase: fetch (tiers), assemble, write (state file), "
-            "queue (waiting in llama-server's queue behind other slots' batches), llama (llama-server's restore)", ["phase"], buckets=LATENCY_BUCKETS, registry=r)
         self.save_seconds = Histogram("kvtier_save_seconds", "Slot save + split + store", buckets=LATENCY_BUCKETS, registry=r)
         self.save_readable_seconds = Histogram(
             "kvtier_save_readable_seconds", "From the end of an answer until Redis holds its new chunks and tail "
@@ -131,13 +124,27 @@ class Metrics:
             ["step"], registry=r)
         self.prompt_in_process = Gauge("kvtier_prompt_in_process", "1 while the step (render, tokenize) runs in "
                                        "kvtier, 0 while llama-server is asked", ["step"], registry=r)
-        self.bytes_restored = Counter("kvtier_bytes_restored", "State bytes restored into llama-server", registry=r)
         self.bytes_saved = Counter("kvtier_bytes_saved", "New chunk bytes stored", registry=r)
         self._queue = _QueueCollector()
         r.register(self._queue)
         self.pending_saves = Gauge("kvtier_pending_saves", "Slot saves not finished yet", registry=r)
         self.prewarmed = Counter("kvtier_prewarmed_chunks", "Chunks copied into local tiers from peers' events", registry=r)
         self.redis_circuit = Gauge("kvtier_redis_circuit_open", "1 while the Redis circuit breaker is open", registry=r)
+
+    def _restore_metrics(self, r: CollectorRegistry) -> None:
+        """What restores did, how long they took and what came of them."""
+        self.restores = Counter("kvtier_restores", "Restores by source tier and outcome", ["tier", "outcome"], registry=r)
+        self.restores_wasted = Counter("kvtier_restores_wasted", "Restores llama-server threw away (it recomputed "
+                                       "what was restored), by memory layout", ["layout"], registry=r)
+        self.reuse_failures = Counter("kvtier_restore_not_reused", "Restores after which prompt_n showed a re-prefill", registry=r)
+        self.restore_seconds = Histogram("kvtier_restore_seconds", "Fetch + assemble + restore", buckets=LATENCY_BUCKETS, registry=r)
+        self.restore_streams = Counter("kvtier_restore_streams", "Large plain-KV restores whose file was written as "
+                                       "its chunks arrived: written, or stopped (a chunk gone or unlike the first: "
+                                       "restored from what the tiers hold instead)", ["outcome"], registry=r)
+        self.restore_phase_seconds = Histogram(
+            "kvtier_restore_phase_seconds", "Restore time by phase: fetch (tiers), assemble, write (state file), "
+            "queue (waiting in llama-server's queue behind other slots' batches), llama (llama-server's restore)", ["phase"], buckets=LATENCY_BUCKETS, registry=r)
+        self.bytes_restored = Counter("kvtier_bytes_restored", "State bytes restored into llama-server", registry=r)
 
     def attach_store(self, store: TieredStore) -> None:
         self.registry.register(_TierCollector(store))

@@ -5,13 +5,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from integrations.chunkassemble import state_pieces
 from integrations.flows import restored_tail, session_image
 from integrations.kvflow import PrefixFound, TailRecord, fetch_prefix
+from integrations.memkind import MemoryKind
+from integrations.prefixstream import FileSink, Streamed, StreamStopped, stream_prefix, window_chunks
 from tiers.keys import Namespace, chunk_key
 from tiers.sessions import Manifest, SessionStore
 from tiers.store import FetchResult, TieredStore
@@ -43,8 +45,9 @@ class RestoreWriter:
     """Fetches payloads and has llama-server load them into a slot; teaches the cost model the rates."""
 
     def __init__(self, store: TieredStore, sessions: SessionStore, files: SlotFiles, cost: CostModel,
-                 metrics: Metrics):
+                 metrics: Metrics, window_bytes: int):
         self.store = store
+        self.window_bytes = window_bytes  # a large restore's fetch window (``stream_prefix``)
         self.sessions = sessions
         self.files = files
         self.cost = cost
@@ -59,10 +62,18 @@ class RestoreWriter:
                 lease, namespace, tokens, found.n_tokens, owner=owner, exact=found.whole, cached=cached)) is not None:
             return loaded
         t0 = time.perf_counter()
-        # What comes from below the RAM tier is promoted into it after the answer: room is made
-        # first, so the fetched chunks are not held beside a full tier.
+        # What comes from below the RAM tier is promoted into it: room is made first, so the
+        # fetched chunks are not held beside a full tier.
         self.store.make_room(found.bytes_by_tier(namespace.chunk_tokens, target.bytes_per_token),
                              keep=[chunk_key(namespace, h) for h in found.chunks.chunks])
+        window = window_chunks(self.window_bytes, namespace.chunk_tokens, target.bytes_per_token)
+        if (target.memory_kind is MemoryKind.KV and not target.v_trans and not found.whole
+                and found.chunks.n_chunks > window):
+            try:
+                return await self._streamed(lease, namespace, found, tokens, target, window, owner=owner, t0=t0)
+            except StreamStopped as exc:  # the file as laid out cannot be finished: fetch the prefix whole
+                self.metrics.restore_streams.labels("stopped").inc()
+                log.info("slot %d: streamed restore stopped (%s); restoring what the tiers hold", slot, exc)
         got = await fetch_prefix(self.store, namespace, found)
         if got.n_tokens <= cached:
             self.metrics.restores.labels("none", "miss").inc()
@@ -82,6 +93,38 @@ class RestoreWriter:
         self._count(done, nbytes, cached)
         lease.table.record_restore(slot, tokens[:done.n_tokens].copy(), owner=owner, tail=done.tail)
         log.info("slot %d: restored %d tokens from %s in %.1f ms", slot, done.n_tokens, done.tier, done.ms)
+        return done
+
+    async def _streamed(self, lease: Lease, namespace: Namespace, found: PrefixFound, tokens: np.ndarray,
+                        target: Target, window: int, *, owner: str, t0: float) -> Restored:
+        """Restore ``found`` with its restore file written window by window as the chunks arrive
+        (``stream_prefix``), each promoted once written; record it in the slot table."""
+        box: list[Streamed] = []
+
+        async def fill(sink: FileSink) -> None:
+            box.append(await stream_prefix(self.store, namespace, found, tokens, sink, window=window,
+                                           n_stream=target.n_stream))
+
+        io = await self.files.restore_placed(lease.slot, found.n_tokens * target.bytes_per_token, fill)
+        got = box[0]
+        self.metrics.restore_streams.labels("written").inc()
+        self.metrics.restore_phase_seconds.labels("fetch").observe(got.fetch_s)
+        read = sum(got.bytes_by_tier.values())
+        for tier, nbytes in got.bytes_by_tier.items():
+            self.cost.observe_fetch(tier, nbytes, got.fetch_s * nbytes / max(read, 1))
+        # What the restore took besides its fetch: the part of the write the fetch did not hide, and the load.
+        io = replace(io, write_s=max(0.0, io.write_s - got.fetch_s))
+        self._observe(io, 0.0, lease.table.computing - 1)
+        self.cost.observe_restore(io.nbytes, io.write_s + io.llama_s)
+        if got.tail is not None:
+            self.metrics.tails.labels("restored").inc()
+        order = [t.name for t in self.store.tiers]
+        tail = TailRecord(got.tail.key, got.n_tokens) if got.tail is not None else None
+        done = Restored(got.n_tokens, max(got.tiers, key=order.index), (time.perf_counter() - t0) * 1000, None, tail)
+        self._count(done, io.nbytes, lease.cached_tokens)
+        lease.table.record_restore(lease.slot, tokens[:done.n_tokens].copy(), owner=owner, tail=done.tail)
+        log.info("slot %d: restored %d tokens from %s in %.1f ms (written as fetched)", lease.slot, done.n_tokens,
+                 done.tier, done.ms)
         return done
 
     async def _saved_file(self, lease: Lease, namespace: Namespace, tokens: np.ndarray, n: int, *, owner: str,

@@ -16,14 +16,16 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from integrations.chunkassemble import write_pieces
+from integrations.chunkplace import Placed, write_placed
 from integrations.llama_server import LlamaServerClient
+from integrations.prefixstream import FileSink
 from integrations.statefile import SeqState
 from integrations.stateparse import parse_state
 from tiers.errors import KVTierError
@@ -173,6 +175,21 @@ class SpareFiles:
         return sum(names.values())
 
 
+class _FdSink:
+    """A restore file being written at offsets (``integrations.prefixstream.FileSink``), off the loop."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.nbytes = 0
+
+    async def size(self, nbytes: int) -> None:
+        os.ftruncate(self.fd, nbytes)  # a longer file written here before keeps no tail; its pages stay
+        self.nbytes = nbytes
+
+    async def write(self, placed: Placed) -> None:
+        await in_thread(write_placed, self.fd, placed)
+
+
 @dataclass(frozen=True, slots=True)
 class RestoreIO:
     """One restore file written and loaded: its size and the time of each step."""
@@ -299,28 +316,49 @@ class SlotFiles:
 
     async def restore(self, slot: int, pieces: Sequence[bytes | memoryview]) -> RestoreIO:
         """Write ``pieces`` as ``slot``'s restore file and have llama-server restore it."""
+        async def write(path: Path) -> int:
+            try:
+                return await asyncio.to_thread(write_pieces, path, pieces, overwrite=True)
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC or not await self._free_kept(
+                        f"writing slot {slot}'s restore file failed ({exc})", but=slot):
+                    raise
+                return await asyncio.to_thread(write_pieces, path, pieces, overwrite=True)
+
+        return await self._restore(slot, sum(memoryview(p).nbytes for p in pieces), write)
+
+    async def restore_placed(self, slot: int, expect: int, fill: Callable[[FileSink], Awaitable[object]]) -> RestoreIO:
+        """Have ``fill`` write ``slot``'s restore file (of about ``expect`` bytes) piece by piece as
+        its pieces arrive (``prefixstream``), then have llama-server restore it. A failure leaves no
+        file; a full slot dir is not retried here (what was fetched is gone)."""
+        async def write(path: Path) -> int:
+            flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+            sink = _FdSink(os.open(path, flags, 0o644))
+            try:
+                await fill(sink)
+            finally:
+                os.close(sink.fd)
+            return sink.nbytes
+
+        return await self._restore(slot, expect, write)
+
+    async def _restore(self, slot: int, expect: int, write: Callable[[Path], Awaitable[int]]) -> RestoreIO:
+        """Write ``slot``'s restore file (``write``, of about ``expect`` bytes) and restore it."""
         # One file per slot, overwritten in place by the slot's next restore: writing into pages the
         # slot dir holds already is about twice as fast on tmpfs as a new file (whose pages the
         # kernel must allocate and zero; on some VMs first-touched pages cost ~10 us each, 300 ms
         # for a 94 MB state). A slot with none takes a spare. Kept only within keep_bytes, and never
         # written by two restores at once.
         path = self._restore_path(slot)
-        name = path.name
         kept = False
         async with self._locks.setdefault(slot, asyncio.Lock()):
             try:
                 t0 = time.perf_counter()
                 if slot not in self._kept:
-                    self.spares.take(path, sum(memoryview(p).nbytes for p in pieces))
-                try:
-                    nbytes = await asyncio.to_thread(write_pieces, path, pieces, overwrite=True)
-                except OSError as exc:
-                    if exc.errno != errno.ENOSPC or not await self._free_kept(
-                            f"writing slot {slot}'s restore file failed ({exc})", but=slot):
-                        raise
-                    nbytes = await asyncio.to_thread(write_pieces, path, pieces, overwrite=True)
+                    self.spares.take(path, expect)
+                nbytes = await write(path)
                 t1 = time.perf_counter()
-                action = await self.client.restore_slot(slot, name)
+                action = await self.client.restore_slot(slot, path.name)
                 t2 = time.perf_counter()
                 kept = self._room(nbytes, but=slot)
             finally:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -44,9 +44,10 @@ class Cluster:
     redis: RedisProc
 
 
-def settings_for(llama: LlamaServer, redis_url: str, node: str) -> Settings:
-    return Settings(llama_url=llama.url, slot_dir=str(llama.slot_dir), redis_url=redis_url, node_id=node,
+def settings_for(llama: LlamaServer, redis_url: str, node: str, **kw: object) -> Settings:
+    base = Settings(llama_url=llama.url, slot_dir=str(llama.slot_dir), redis_url=redis_url, node_id=node,
                     chunk_tokens=CHUNK, cache_size=512 << 20, max_body=2 << 20, prefill_tps_prior=100.0)
+    return replace(base, **kw)  # type: ignore[arg-type]
 
 
 @pytest_asyncio.fixture(scope="module")
@@ -55,7 +56,9 @@ async def cluster(redis_srv: RedisProc, tmp_path_factory: pytest.TempPathFactory
     with llama_server(tmp, "-np", "2", *EXACT) as la, llama_server(tmp, "-np", "2", *EXACT) as lb, \
             llama_server(tmp, *EXACT) as direct:
         async with run_sidecar(settings_for(la, redis_srv.url, "node-a")) as a, \
-                run_sidecar(settings_for(lb, redis_srv.url, "node-b")) as b:
+                run_sidecar(settings_for(lb, redis_srv.url, "node-b", restore_window=1)) as b:
+            # B fetches restores of more than two chunks two at a time, each pair written into the
+            # restore file while the next is fetched (``prefixstream``); A fetches them whole.
             yield Cluster(a, b, la, lb, direct, redis_srv)
 
 
@@ -108,6 +111,7 @@ async def test_conversation_hops_nodes_and_matches_one_node(cluster: Cluster) ->
     assert third.prompt_n <= int(third.headers["X-KVTier-Prompt-Tokens"]) - reused + 1
     assert third.prompt_n < 60 + CHUNK  # the new turn (~40 tokens) and at most a chunk's remainder
     assert c.b.metric("kvtier_restore_not_reused_total") == 0
+    assert c.b.metric("kvtier_restore_streams_total", outcome="written") >= 1  # B's restore was streamed
 
 
 async def test_chat_follow_ups_go_to_their_slot_untokenized_and_match_one_node(cluster: Cluster) -> None:
@@ -344,10 +348,13 @@ async def test_damaged_chunk_is_never_restored(cluster: Cluster) -> None:
         blob[len(blob) // 2] ^= 0xFF
         r.set(key, bytes(blob))
     before = c.b.store.counters.corrupt
+    stopped = c.b.metric("kvtier_restore_streams_total", outcome="stopped")
     ans = await post(c.b.url + "/completion", body)
     assert ans.status == 200 and ans.content == expected
     assert ans.restored == CHUNK  # chunk 0 only: the prefix stops at the damaged chunk
     assert c.b.store.counters.corrupt == before + 1
+    # B's streamed restore met the damaged chunk in its first window, stopped, and restored chunk 0.
+    assert c.b.metric("kvtier_restore_streams_total", outcome="stopped") == stopped + 1
     with redis.Redis(port=c.redis.port) as r:
         assert r.get(key) is None or bytes(r.get(key)) != bytes(blob)  # deleted (or rewritten intact)
 

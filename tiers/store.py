@@ -299,11 +299,11 @@ class TieredStore:
         the tier it came from; None when no tier does."""
         return (await self._reader.read(self.tiers, {key: value_hash}, namespace.digest[:8])).get(key)
 
-    async def matching(self, fetched: FetchResult, check: ContentCheck, chunk_tokens: int) -> FetchResult:
-        """``fetched`` up to its first chunk that fails ``check`` (chunk ``i`` must hold the
-        ``chunk_tokens`` cells from ``i * chunk_tokens``); that one is ``reject``ed."""
+    async def matching(self, fetched: FetchResult, check: ContentCheck, chunk_tokens: int, first_pos: int = 0) -> FetchResult:
+        """``fetched`` up to its first chunk failing ``check`` (which is ``reject``ed): chunk ``i``
+        must hold the ``chunk_tokens`` cells from ``first_pos + i * chunk_tokens``."""
         for i, payload in enumerate(fetched.payloads):
-            reason = check(payload, i * chunk_tokens, chunk_tokens)
+            reason = check(payload, first_pos + i * chunk_tokens, chunk_tokens)
             if reason is not None:
                 await self.reject(fetched.keys[i], fetched.tiers[i], reason)
                 return fetched.first(i, chunk_tokens)
