@@ -74,6 +74,7 @@ class SplitResult:
 
 def split_state(
     state: SeqState | BytesLike, chunk_tokens: int, *, tail: bool = False, first_chunk: int = 0, room: int = 0,
+    end_chunk: int | None = None,
 ) -> SplitResult:
     """Cut a single-sequence state into prefix chunks of ``chunk_tokens`` cells.
 
@@ -83,6 +84,8 @@ def split_state(
         tail: also return the cells after the last full chunk (a session's partial tail).
         first_chunk: skip materialising chunks before this index (already stored elsewhere).
         room: cut each payload into a buffer of its own, after this many free bytes (``SplitResult``).
+        end_chunk: materialise no chunk from this index on (a window of a large save); the tail
+            is cut only when it is asked for and no chunk is left out before it.
 
     Raises:
         StateFormatError: the file is malformed or not splittable (``SeqState.split_reason``).
@@ -104,7 +107,9 @@ def split_state(
     stream = state.cell_streams()[0]
     n = stream.n_cells
     n_chunks = chunk_count(n, chunk_tokens, rest=bool(rest))
-    spans = [(i * chunk_tokens, (i + 1) * chunk_tokens) for i in range(max(first_chunk, 0), n_chunks)]
+    end = n_chunks if end_chunk is None else min(end_chunk, n_chunks)
+    spans = [(i * chunk_tokens, (i + 1) * chunk_tokens) for i in range(max(first_chunk, 0), end)]
+    tail = tail and end == n_chunks
     if tail and n_chunks * chunk_tokens < n:
         spans.append((n_chunks * chunk_tokens, n))
     heads = b"".join(

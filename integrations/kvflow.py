@@ -374,11 +374,11 @@ class LazyChunks:
     prefix shared by many states is split once, when it is new), each into a buffer of its own with
     ``room`` for the codec's header (encoded in place, no copy).
 
-    ``prepare(first)`` cuts chunk ``first`` and those after it in a worker thread (numpy copies
+    ``prepare(first, end)`` cuts chunks ``first`` to ``end - 1`` in a worker thread (numpy copies
     release the GIL): the event loop, which relays other users' tokens, never copies a saved
-    gigabyte itself. The store awaits it before it asks for a payload, for its RAM tier and later
-    for Redis (which may lack chunks the RAM tier holds: a restarted Redis). A chunk asked for
-    that was not prepared is still cut where it is asked for.
+    gigabyte itself. The store awaits it a window at a time before it asks for those payloads, for
+    its RAM tier and for Redis (which may lack chunks the RAM tier holds: a restarted Redis), so
+    Redis is sent one window while the next is cut. A chunk not prepared is cut where asked for.
     """
 
     def __init__(self, state: SeqState, chunk_tokens: int, room: int = 0):
@@ -392,12 +392,12 @@ class LazyChunks:
         """The chunks cut so far: those some tier lacked."""
         return sorted(self._cut)
 
-    async def prepare(self, first: int) -> None:
+    async def prepare(self, first: int, end: int) -> None:
         if first < chunks_of(self.state, self.chunk_tokens) and first not in self._cut:
-            await in_background(self._cut_from, first)
+            await in_background(self._cut_from, first, end)
 
-    def _cut_from(self, first: int) -> None:
-        split = split_state(self.state, self.chunk_tokens, first_chunk=first, room=self.room)
+    def _cut_from(self, first: int, end: int) -> None:
+        split = split_state(self.state, self.chunk_tokens, first_chunk=first, room=self.room, end_chunk=end)
         for j, payload in enumerate(split.chunks):
             self._cut[split.first_chunk + j] = split.framed(j) if split.frames else Framed(payload, 0)
 
@@ -408,7 +408,7 @@ class LazyChunks:
 
     def __call__(self, i: int) -> Framed:
         if i not in self._cut:
-            self._cut_from(i)
+            self._cut_from(i, i + 1)
         return self._cut[i]
 
 

@@ -60,7 +60,7 @@ def build_store(settings: Settings) -> tuple[TieredStore, RedisBackend | None]:
     return stack.build_store(
         codec, settings.cache_size, eviction=settings.eviction, shared_dir=settings.shared_dir,
         shared_bytes=settings.shared_size, redis_url=settings.redis_url, redis_ttl=settings.ttl or None,
-        node_id=settings.node_id, queue_limit=settings.queue_limit,
+        node_id=settings.node_id, queue_limit=settings.queue_limit, window_bytes=settings.stream_window,
         redis_options={"username": settings.redis_username, "password": settings.redis_password},
     )
 

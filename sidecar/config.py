@@ -114,8 +114,8 @@ class Settings:
     shared_dir: str | None = _option(None, "node-local shared tier directory (e.g. /dev/shm/kvtier); off when unset")
     shared_size: int = _option(4 << 30, "shared tier budget", _size)
     chunk_tokens: int = _option(256, "tokens per prefix chunk", _int)
-    restore_window: int = _option(64 << 20, "bytes a large restore fetches while it writes the ones before into "
-                                            "its file (two windows held at most, each two chunks or more)", _size)
+    stream_window: int = _option(64 << 20, "bytes a large save or restore moves at a time: one window is sent or "
+                                           "written while the next is cut or fetched", _size)
     compress: str = _option("adaptive", "adaptive, lz4, zstd or none")
     ttl: int = _option(86400, "seconds a chunk lives in Redis after its last hit (0 = no expiry)", _int)
     chunk_key: str | None = _option(None, "secret shared by every node (16+ characters): stored values carry a keyed "
@@ -320,7 +320,7 @@ def validate(s: Settings) -> None:
         parse_redis_url(s.redis_url)  # the tier's own parser: one definition of what a Redis URL may be
     if not 0 <= s.save_nice <= 19:
         raise ConfigError(f"save_nice must be within 0-19, got {s.save_nice}")
-    for name in ("cache_size", "restore_window", "body_timeout", "queue_limit"):
+    for name in ("cache_size", "stream_window", "body_timeout", "queue_limit"):
         if getattr(s, name) <= 0:
             raise ConfigError(f"{name} must be positive")
     if s.shared_dir is not None and s.shared_size <= 0:

@@ -70,7 +70,7 @@ class KVEngine:
         self.watcher = ServerWatcher(settings, client, self.files, self.prompts, witness)
         self.sessions = sessions
         self.planner = RestorePlanner(store, self.cost, metrics, pending=pending, save_wait=settings.save_wait)
-        self.restorer = RestoreWriter(store, self.sessions, self.files, self.cost, metrics, settings.restore_window)
+        self.restorer = RestoreWriter(store, self.sessions, self.files, self.cost, metrics, settings.stream_window)
         self.saver = Saver(store, self.sessions, self.files, metrics, self.cost, node_id=settings.node_id, events=events,
                            pending=pending)
         self.session_slots: dict[str, int] = {}  # session id -> the slot that served it last

@@ -28,7 +28,7 @@ SAMPLES: dict[str, tuple[Any, Any]] = {
     "redis_password": ("pw", "pw"),
     "redis_password_file": (None, None),  # a path, filled in by the test
     "cache_size": ("1G", 1 << 30),
-    "restore_window": ("16M", 16 << 20),
+    "stream_window": ("16M", 16 << 20),
     "eviction": ("lru", "lru"),
     "shared_dir": ("/dev/shm/kvtier-test", "/dev/shm/kvtier-test"),
     "shared_size": ("512M", 512 << 20),

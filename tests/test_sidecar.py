@@ -56,9 +56,10 @@ async def cluster(redis_srv: RedisProc, tmp_path_factory: pytest.TempPathFactory
     with llama_server(tmp, "-np", "2", *EXACT) as la, llama_server(tmp, "-np", "2", *EXACT) as lb, \
             llama_server(tmp, *EXACT) as direct:
         async with run_sidecar(settings_for(la, redis_srv.url, "node-a")) as a, \
-                run_sidecar(settings_for(lb, redis_srv.url, "node-b", restore_window=1)) as b:
-            # B fetches restores of more than two chunks two at a time, each pair written into the
-            # restore file while the next is fetched (``prefixstream``); A fetches them whole.
+                run_sidecar(settings_for(lb, redis_srv.url, "node-b", stream_window=1)) as b:
+            # B moves its saves and restores two chunks at a time: a restore of more writes each
+            # pair into its file while the next is fetched (``prefixstream``), a save sends each
+            # pair to Redis while the next is cut. A uses the default window (whole, at these sizes).
             yield Cluster(a, b, la, lb, direct, redis_srv)
 
 

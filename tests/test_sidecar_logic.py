@@ -403,7 +403,7 @@ def test_settings_precedence_and_redaction(tmp_path: Path) -> None:
         load_settings(["--slot-dir", str(tmp_path), "--node-id", "bad id!"], env={})
     for flag, bad in (("--local-tokenizer", "yes"), ("--local-tokenizer", ""), ("--keep-restore-files", "-1"),
                       ("--keep-restore-files", "lots"), ("--keep-restore-files", "9" * 30),
-                      ("--restore-window", "0"), ("--restore-window", "-1M"), ("--queue-limit", "0")):
+                      ("--stream-window", "0"), ("--stream-window", "-1M"), ("--queue-limit", "0")):
         with pytest.raises(ConfigError):
             load_settings(["--slot-dir", str(tmp_path), flag, bad], env={})
     assert load_settings(["--slot-dir", str(tmp_path), "--keep-restore-files", "0"], env={}).keep_restore_files == 0

@@ -239,6 +239,58 @@ class GatedTier(MemoryTier):
         return await super().put_many(items)
 
 
+class CutPayloads(Payloads):
+    """A saved state's chunks, cut by windows (``prepare(first, end)``); the cut of any window after
+    the first waits until the background tier holds the first window."""
+
+    def __init__(self, toks: list[int], first_sent: asyncio.Event):
+        super().__init__(toks)
+        self.first_sent = first_sent
+        self.windows: list[tuple[int, int]] = []
+
+    def size_of(self, i: int) -> int:
+        return PAYLOAD_BYTES
+
+    async def prepare(self, first: int, end: int) -> None:
+        self.windows.append((first, end))
+        if first > 0:
+            await asyncio.wait_for(self.first_sent.wait(), 5)
+
+
+class WatchedTier(MemoryTier):
+    """A remote tier that tells when it holds a given key."""
+
+    role = TierRole.REMOTE
+    write_behind = True
+
+    def __init__(self, watch: bytes, seen: asyncio.Event) -> None:
+        super().__init__(64 * MB, name="redis")
+        self.watch, self.seen = watch, seen
+
+    async def put_many(self, items: Mapping[bytes, bytes]) -> int:
+        stored = await super().put_many(items)
+        if self.watch in items:
+            self.seen.set()
+        return stored
+
+
+async def test_a_large_store_sends_each_window_while_the_next_is_cut() -> None:
+    """Redis gets a save's first window before the rest is cut: the cut of the second window here
+    waits for it (and would time out if every chunk were cut before any was sent)."""
+    toks = tokens(700, 5)
+    chain = chain_of(toks)
+    sent = asyncio.Event()
+    far = WatchedTier(keys_of(chain)[1], sent)
+    s = TieredStore([MemoryTier(64 * MB), far], BlobCodec("none"), window_bytes=2 * PAYLOAD_BYTES)
+    payloads = CutPayloads(toks, sent)
+    result = await s.store(NS, chain, payloads)
+    assert result.chunks_written == 5 and payloads.windows == [(0, 2), (2, 4), (4, 5)]
+    assert await s.flush(5)
+    assert all(await far.contains_many(keys_of(chain)))
+    assert sorted(payloads.calls) == [0, 1, 2, 3, 4]  # each chunk encoded once for both tiers
+    await s.aclose()
+
+
 async def test_full_queue_drops_the_oldest_pending_write() -> None:
     slow = GatedTier()
     s = TieredStore([MemoryTier(64 * MB), slow], BlobCodec("none"), queue_limit=2)

@@ -27,8 +27,8 @@ class TierRole(enum.Enum):
 
 
 Value = bytes | memoryview  # an encoded value as tiers take and give it (a view: a buffer of its own)
-# Awaited before values are asked for, with the first index to be asked: a payload source that
-# must cut its payloads (a saved state's chunks) does it then, off the event loop.
+# Awaited before value ``i`` is asked for: a payload source that must cut its payloads (a saved
+# state's chunks) does it then, off the event loop, a window at a time.
 Prepare = Callable[[int], Awaitable[None]]
 
 

@@ -23,10 +23,10 @@ from .keys import (
 from .presence import first_holders, longest_held
 from .reads import Promoter, Verified, VerifiedReader
 from .threads import in_background
-from .writebehind import DEFAULT_QUEUE_LIMIT, Announce, WriteBehind
+from .writebehind import DEFAULT_QUEUE_LIMIT, DEFAULT_WINDOW_BYTES, Announce, WriteBehind
 from .writethrough import WriteThrough
 
-__all__ = ["DEFAULT_QUEUE_LIMIT", "Announce", "ContentCheck", "FetchResult", "LookupResult", "PayloadSource", "StoreCounters",
+__all__ = ["DEFAULT_QUEUE_LIMIT", "DEFAULT_WINDOW_BYTES", "Announce", "ContentCheck", "FetchResult", "LookupResult", "PayloadSource", "StoreCounters",
            "StoreResult", "TailHit", "TieredStore", "Verified"]
 
 PayloadSource = Callable[[int], bytes | bytearray | memoryview | Framed]
@@ -113,6 +113,7 @@ class TieredStore:
         tiers: tiers in order, fastest first.
         codec: the one codec every tier's values go through.
         queue_limit: pending background writes before the oldest is dropped.
+        window_bytes: how much of a large store is cut and encoded at a time.
     """
 
     def __init__(
@@ -121,6 +122,7 @@ class TieredStore:
         codec: BlobCodec,
         *,
         queue_limit: int = DEFAULT_QUEUE_LIMIT,
+        window_bytes: int = DEFAULT_WINDOW_BYTES,
     ):
         if not tiers:
             raise ValueError("a TieredStore needs at least one tier")
@@ -129,6 +131,7 @@ class TieredStore:
             raise ValueError(f"tier names must be unique, got {names}")
         self.tiers = list(tiers)
         self.codec = codec
+        self.window_bytes = window_bytes  # a large store's window: the next is cut while one is sent
         self._through = WriteThrough([t for t in self.tiers if not t.write_behind])
         self._writer = WriteBehind([t for t in self.tiers if t.write_behind], queue_limit=queue_limit)
         self._reader = VerifiedReader(codec)
@@ -211,12 +214,15 @@ class TieredStore:
         """Store the chunks of ``chain`` that are not stored yet.
 
         ``payloads(i)`` gives chunk ``i``'s payload; it is called only for chunks some tier lacks,
-        after ``payloads.prepare(i)`` is awaited with the first of them when it has that method,
-        so a prefix shared by many sessions is split, encoded and sent once. The background writer
-        may call it after this returns, so what it reads must not change (an immutable copy of the
-        saved state): keys name tokens, not bytes, and a changed payload would be stored as valid.
-        ``announce(keys)`` is awaited once a background (shared) tier holds keys it lacked: peers
-        told of a chunk before then would find nothing.
+        after ``payloads.prepare(first, end)`` is awaited for the window of chunks it is in, when it
+        has that method, so a prefix shared by many sessions is split, encoded and sent once. The
+        background writer may call it after this returns, so what it reads must not change (an
+        immutable copy of the saved state): keys name tokens, not bytes, and a changed payload
+        would be stored as valid. ``announce(keys)`` is awaited once a background (shared) tier
+        holds keys it lacked: peers told of a chunk before then would find nothing.
+
+        The write to the background tiers is queued first: it sends each window of about
+        ``window_bytes`` as soon as it is cut and encoded, while the next one is (for the RAM tier).
         """
         t0 = time.perf_counter()
         keys = [chunk_key(namespace, h) for h in chain]
@@ -229,18 +235,10 @@ class TieredStore:
                                              n_tokens=namespace.chunk_tokens, flags=flags)
             return blobs[i]
 
-        cut = getattr(payloads, "prepare", None)  # a source that cuts its payloads off the loop
-
-        async def prepare(first: int) -> None:
-            """Cut and encode chunk ``first`` and those after it off the event loop (a save's
-            work: sums and MACs over hundreds of MiB at real KV sizes), before a tier asks."""
-            if cut is not None:
-                await cut(first)
-            await in_background(lambda: [blob(i) for i in range(first, len(keys))])
-
         size = getattr(payloads, "size_of", None)  # a source that can tell a chunk's size before cutting it
-        written = await self._through.put_missing(keys, blob, prepare, size)
+        prepare = _Windows(payloads, blob, len(keys), self.window_bytes // max(1, size(0)) if size and keys else 0)
         self._writer.submit(keys, blob, announce=announce, prepare=prepare)  # encodes only what a background tier lacks
+        written = await self._through.put_missing(keys, blob, prepare, size)
         return StoreResult(len(keys), len(written), sum(len(b) for b in blobs.values()), time.perf_counter() - t0)
 
     async def lookup_tail(self, namespace: Namespace, parent: bytes,
@@ -351,3 +349,39 @@ class TieredStore:
         await self._writer.aclose(drain_timeout)
         for tier in self.tiers:
             await attempt(tier.aclose(), "close", tier)
+
+
+class _Windows:
+    """``prepare(i)`` for a store's tiers: chunk ``i`` and the rest of its window cut and encoded off
+    the event loop (sums and MACs over hundreds of MiB at real KV sizes) before a tier asks for
+    them. The RAM tier's write and the background writer await the same window once.
+
+    A window starts at the first chunk asked for and holds ``per`` chunks (two at least; 0: all
+    the rest), stopping at one already under way."""
+
+    def __init__(self, payloads: PayloadSource, blob: Callable[[int], Value], n: int, per: int):
+        self._cut = getattr(payloads, "prepare", None)  # a source that cuts its payloads off the loop
+        self._blob = blob
+        self._n = n
+        self._per = max(2, per) if per else n
+        self._ready: dict[int, asyncio.Future[None]] = {}
+
+    def ready(self, i: int) -> bool:
+        """Whether chunk ``i`` is cut and encoded (the background writer sends what is before it)."""
+        window = self._ready.get(i)
+        return window is not None and window.done()
+
+    async def __call__(self, i: int) -> None:
+        if i not in self._ready:
+            end = min(i + self._per, self._n)
+            end = next((j for j in range(i, end) if j in self._ready), end)
+            window = asyncio.ensure_future(self._prepare(i, end))
+            for j in range(i, end):
+                self._ready[j] = window
+        # Shielded: a caller that leaves (a cancelled save) does not cancel the other's window.
+        await asyncio.shield(self._ready[i])
+
+    async def _prepare(self, first: int, end: int) -> None:
+        if self._cut is not None:
+            await self._cut(first, end)
+        await in_background(lambda: [self._blob(j) for j in range(first, end)])

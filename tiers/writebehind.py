@@ -14,7 +14,8 @@ from .base import Prepare, Tier, Value
 log = logging.getLogger("kvtier.store")
 
 DEFAULT_QUEUE_LIMIT = 32  # pending background jobs (one per stored state); the oldest is dropped past this
-BATCH_BYTES = 256 << 20  # bytes per background call to a tier
+BATCH_BYTES = 64 << 20  # bytes per background call to a tier: a large save is sent while the rest is cut
+DEFAULT_WINDOW_BYTES = 64 << 20  # a large save's chunks cut and encoded at a time (``TieredStore.store``)
 
 Announce = Callable[[list[bytes]], Awaitable[object]]
 
@@ -130,24 +131,23 @@ class WriteBehind:
         try:
             present = await tier.contains_many(job.keys)
             missing = [i for i, ok in enumerate(present) if not ok]
-            if missing and job.prepare is not None:
-                await job.prepare(missing[0])
-            # Pipelines of ~32 MB keep each round trip large but bounded.
+            # Pipelines of ~64 MB keep each round trip large but bounded, and go out as the
+            # windows they are in are ready (``prepare``), while later ones are cut.
             batch: dict[bytes, Value] = {}
             size = 0
             written: list[bytes] = []
+            ready = getattr(job.prepare, "ready", None)  # whether value i is prepared already
             for n, i in enumerate(missing):
+                if job.prepare is not None:
+                    if batch and ready is not None and not ready(i):  # send what is ready first
+                        written += await self._put(tier, batch)
+                        batch, size = {}, 0
+                    await job.prepare(i)
                 value = job.blob(i)
                 batch[job.keys[i]] = value
                 size += len(value)
                 if size >= BATCH_BYTES or n == len(missing) - 1:
-                    stored = await tier.put_many(batch)
-                    if stored < len(batch):
-                        # Tiers report failures as counts, not exceptions (a miss is not an error).
-                        self.errors += 1
-                        log.warning("background write to %s stored %d of %d values", tier.name, stored, len(batch))
-                    else:
-                        written += batch
+                    written += await self._put(tier, batch)
                     batch, size = {}, 0
         except Exception:
             self.errors += 1
@@ -158,6 +158,16 @@ class WriteBehind:
                 await job.announce(written)
             except Exception:
                 log.debug("announcing %d stored keys failed", len(written), exc_info=True)
+
+    async def _put(self, tier: Tier, batch: dict[bytes, Value]) -> list[bytes]:
+        """Write ``batch`` to ``tier``; its keys when all were stored, else none (counted)."""
+        stored = await tier.put_many(batch)
+        if stored < len(batch):
+            # Tiers report failures as counts, not exceptions (a miss is not an error).
+            self.errors += 1
+            log.warning("background write to %s stored %d of %d values", tier.name, stored, len(batch))
+            return []
+        return list(batch)
 
     async def flush(self, timeout: float | None = None) -> bool:
         """Wait until the queue is empty; False if ``timeout`` ran out first."""

@@ -27,7 +27,7 @@ class WriteThrough:
     async def put_missing(self, keys: Sequence[bytes], blob: Callable[[int], Value],
                           prepare: Prepare | None = None, size: Callable[[int], int] | None = None) -> set[int]:
         """Write to each tier the keys it lacks, the value of key ``i`` being ``blob(i)`` (asked for
-        only when some tier lacks it; ``prepare(i)`` is awaited first with the first such ``i``);
+        only when some tier lacks it, after ``prepare(i)`` is awaited);
         returns the indexes written to at least one tier. ``size(i)``: about how large ``blob(i)``
         is, for a tier with a byte budget to make room before the values are made."""
         written: set[int] = set()
@@ -39,10 +39,13 @@ class WriteThrough:
             make_room = getattr(tier, "make_room", None)  # the RAM tier's
             if make_room is not None and size is not None:
                 make_room(sum(size(i) for i in missing))
-            if prepare is not None:
-                await prepare(missing[0])
-            try:  # blob(i) encodes here: a payload that fails is a failed put
-                await tier.put_many({keys[i]: blob(i) for i in missing})
+            items = {}
+            for i in missing:  # each window cut and encoded off the loop (``prepare``), then taken
+                if prepare is not None:
+                    await prepare(i)
+                items[keys[i]] = i
+            try:  # blob(i) encodes here when it was not prepared: a payload that fails is a failed put
+                await tier.put_many({key: blob(i) for key, i in items.items()})
                 written.update(missing)
             except Exception:
                 log.warning("put on tier %s failed", tier.name, exc_info=True)
