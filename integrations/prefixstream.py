@@ -15,15 +15,16 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from tiers.errors import KVTierError, StateFormatError
-from tiers.keys import Namespace
-from tiers.store import FetchResult, TailHit, TieredStore, Verified
+from tiers.keys import ChunkHash, Namespace, prefix_chain
+from tiers.sessions import Manifest, SessionStore
+from tiers.store import ContentCheck, FetchResult, TailHit, TieredStore
 
 from .chunkplace import Placed, PlacedFile
 from .chunks import read_chunk_header
@@ -67,22 +68,62 @@ async def stream_prefix(store: TieredStore, namespace: Namespace, found: PrefixF
     Raises:
         StreamStopped: a chunk was gone, damaged or unlike the first (the file is unfinished).
     """
+    async def tail() -> _Tail:
+        hit = found.tail
+        if hit is None or (value := await store.read_verified(hit.key, hit.hash, namespace)) is None:
+            return None, None, ""
+        payload, answered = await checked_tail(store, namespace, found, hit, value, found.chunks.matched_tokens)
+        return payload, answered, value.tier
+
+    return await _stream(store, namespace, found.chunks.chunks, tail, tokens, sink, window=window,
+                         n_stream=n_stream, check=content_mismatch)
+
+
+async def stream_session(sessions: SessionStore, namespace: Namespace, manifest: Manifest, sink: FileSink, *,
+                         window: int, n_stream: int = 1) -> Streamed:
+    """``stream_prefix`` for session ``manifest``: its chunks, then its tail.
+
+    Raises:
+        StreamStopped: a chunk or the tail was gone, damaged or unlike the first chunk.
+    """
+    async def tail() -> _Tail:
+        if not manifest.tail_tokens:
+            return None, None, ""
+        value = await sessions.read_tail(namespace, manifest)
+        if value is None:
+            raise StreamStopped(f"session {manifest.id!r}: its tail is gone or damaged")
+        return value.payload, None, value.tier
+
+    chain = prefix_chain(namespace, manifest.tokens, manifest.chunks)
+    return await _stream(sessions.store, namespace, chain, tail, manifest.tokens, sink, window=window,
+                         n_stream=n_stream, check=sessions.check)
+
+
+# A tail's payload when it is restored (None: none, or it is gone), the tail a context then answers
+# for (None: none, or a reference), and the tier it came from.
+_Tail = tuple[bytes | memoryview | None, TailHit | None, str]
+
+
+async def _stream(store: TieredStore, namespace: Namespace, chain: Sequence[ChunkHash],
+                  tail: Callable[[], Coroutine[Any, Any, _Tail]],
+                  tokens: np.ndarray, sink: FileSink, *, window: int, n_stream: int,
+                  check: ContentCheck | None) -> Streamed:
+    """The chunks of ``chain`` and the ``tail`` after them into ``sink``, window by window."""
     C = namespace.chunk_tokens
-    chain = found.chunks.chunks
-    starts = range(0, len(chain), max(1, window))
     fetch_s = [0.0]
 
     async def fetch(start: int) -> FetchResult:
         t0 = time.perf_counter()
         hashes = chain[start : start + window]
         got = await store.fetch(namespace, hashes, promote=False)
-        got = await store.matching(got, content_mismatch, C, start * C)
+        if check is not None:
+            got = await store.matching(got, check, C, start * C)
         fetch_s[0] += time.perf_counter() - t0
         if got.n_chunks < len(hashes):
             raise StreamStopped(f"chunk {start + got.n_chunks} of {len(chain)} is gone or damaged")
         return got
 
-    current, tail_payload, tail = await _first_window(store, namespace, found, fetch(0))
+    current, (tail_payload, hit, tail_tier) = await _both(fetch(0), tail())
     cells = [C] * len(chain) + ([_cells(tail_payload)] if tail_payload is not None else [])
     try:
         layout = PlacedFile(read_chunk_header(current.payloads[0]), cells, tokens, n_stream=n_stream)
@@ -91,7 +132,7 @@ async def stream_prefix(store: TieredStore, namespace: Namespace, found: PrefixF
     except StateFormatError as exc:
         raise StreamStopped(str(exc)) from exc
     by_tier: dict[str, int] = {}
-    for at in starts:
+    for at in range(0, len(chain), window):
         following = asyncio.create_task(fetch(at + window)) if at + window < len(chain) else None
         try:
             placed += _placed(layout, at, current.payloads)
@@ -106,31 +147,21 @@ async def stream_prefix(store: TieredStore, namespace: Namespace, found: PrefixF
         placed = []
         if following is not None:
             current = await following
-    tiers = set(by_tier) | ({found.tail.tier} if tail_payload is not None and found.tail is not None else set())
-    return Streamed(sum(cells), layout.nbytes, frozenset(tiers), tail, fetch_s[0], by_tier)
+    tiers = set(by_tier) | ({tail_tier} if tail_payload is not None else set())
+    return Streamed(sum(cells), layout.nbytes, frozenset(tiers), hit, fetch_s[0], by_tier)
 
 
-async def _first_window(store: TieredStore, namespace: Namespace, found: PrefixFound,
-                        fetching: Coroutine[Any, Any, FetchResult],
-                        ) -> tuple[FetchResult, bytes | memoryview | None, TailHit | None]:
-    """The first window (``fetching``) and, beside it, the tail: its payload when it holds what
-    follows the chunks, and the tail a context then answers for (``checked_tail``)."""
-    first = asyncio.create_task(fetching)
-    tail_read = asyncio.create_task(_read_tail(store, namespace, found.tail))
+async def _both(first: Coroutine[Any, Any, FetchResult],
+                tail: Coroutine[Any, Any, _Tail]) -> tuple[FetchResult, _Tail]:
+    """The first window and, beside it, the tail; neither is left running when the other fails."""
+    tasks = (asyncio.create_task(first), asyncio.create_task(tail))
     try:
-        await asyncio.gather(first, tail_read)
+        await asyncio.gather(*tasks)
     except BaseException:
-        first.cancel()
-        tail_read.cancel()
+        for task in tasks:
+            task.cancel()
         raise
-    if found.tail is None or (tail_value := tail_read.result()) is None:
-        return first.result(), None, None
-    payload, tail = await checked_tail(store, namespace, found, found.tail, tail_value, found.chunks.matched_tokens)
-    return first.result(), payload, tail
-
-
-async def _read_tail(store: TieredStore, namespace: Namespace, tail: TailHit | None) -> Verified | None:
-    return await store.read_verified(tail.key, tail.hash, namespace) if tail is not None else None
+    return tasks[0].result(), tasks[1].result()
 
 
 def _cells(payload: bytes | memoryview) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -13,7 +13,14 @@ from integrations.chunkassemble import state_pieces
 from integrations.flows import restored_tail, session_image
 from integrations.kvflow import PrefixFound, TailRecord, fetch_prefix
 from integrations.memkind import MemoryKind
-from integrations.prefixstream import FileSink, Streamed, StreamStopped, stream_prefix, window_chunks
+from integrations.prefixstream import (
+    FileSink,
+    Streamed,
+    StreamStopped,
+    stream_prefix,
+    stream_session,
+    window_chunks,
+)
 from tiers.keys import Namespace, chunk_key
 from tiers.sessions import Manifest, SessionStore
 from tiers.store import FetchResult, TieredStore
@@ -66,14 +73,11 @@ class RestoreWriter:
         # fetched chunks are not held beside a full tier.
         self.store.make_room(found.bytes_by_tier(namespace.chunk_tokens, target.bytes_per_token),
                              keep=[chunk_key(namespace, h) for h in found.chunks.chunks])
-        window = window_chunks(self.window_bytes, namespace.chunk_tokens, target.bytes_per_token)
-        if (target.memory_kind is MemoryKind.KV and not target.v_trans and not found.whole
-                and found.chunks.n_chunks > window):
+        if (window := self._stream_window(namespace, target, found.chunks.n_chunks, found.whole)) is not None:
             try:
                 return await self._streamed(lease, namespace, found, tokens, target, window, owner=owner, t0=t0)
             except StreamStopped as exc:  # the file as laid out cannot be finished: fetch the prefix whole
-                self.metrics.restore_streams.labels("stopped").inc()
-                log.info("slot %d: streamed restore stopped (%s); restoring what the tiers hold", slot, exc)
+                self._stopped(slot, exc)
         got = await fetch_prefix(self.store, namespace, found)
         if got.n_tokens <= cached:
             self.metrics.restores.labels("none", "miss").inc()
@@ -87,45 +91,64 @@ class RestoreWriter:
         self.cost.observe_restore(nbytes, restore_s)
         if got.tail is not None:
             self.metrics.tails.labels("restored").inc()
-        order = [t.name for t in self.store.tiers]
-        done = Restored(got.n_tokens, max(got.tiers, key=order.index), (time.perf_counter() - t0) * 1000,
-                        chunks, restored_tail(got))
+        done = Restored(got.n_tokens, self._slowest(got.tiers), (time.perf_counter() - t0) * 1000, chunks,
+                        restored_tail(got))
         self._count(done, nbytes, cached)
         lease.table.record_restore(slot, tokens[:done.n_tokens].copy(), owner=owner, tail=done.tail)
         log.info("slot %d: restored %d tokens from %s in %.1f ms", slot, done.n_tokens, done.tier, done.ms)
         return done
 
+    def _stream_window(self, namespace: Namespace, target: Target, n_chunks: int, whole: bool = False) -> int | None:
+        """Chunks per window when a restore of ``n_chunks`` chunks is streamed (``prefixstream``:
+        plain KV in rows, more than one window), else None."""
+        window = window_chunks(self.window_bytes, namespace.chunk_tokens, target.bytes_per_token)
+        streams = target.memory_kind is MemoryKind.KV and not target.v_trans and not whole and n_chunks > window
+        return window if streams else None
+
+    def _stopped(self, slot: int, exc: StreamStopped) -> None:
+        self.metrics.restore_streams.labels("stopped").inc()
+        log.info("slot %d: streamed restore stopped (%s); restoring what the tiers hold", slot, exc)
+
     async def _streamed(self, lease: Lease, namespace: Namespace, found: PrefixFound, tokens: np.ndarray,
                         target: Target, window: int, *, owner: str, t0: float) -> Restored:
         """Restore ``found`` with its restore file written window by window as the chunks arrive
         (``stream_prefix``), each promoted once written; record it in the slot table."""
+        got, io = await self._stream_into(lease, found.n_tokens * target.bytes_per_token, lambda sink: stream_prefix(
+            self.store, namespace, found, tokens, sink, window=window, n_stream=target.n_stream))
+        if got.tail is not None:
+            self.metrics.tails.labels("restored").inc()
+        tail = TailRecord(got.tail.key, got.n_tokens) if got.tail is not None else None
+        done = Restored(got.n_tokens, self._slowest(got.tiers), (time.perf_counter() - t0) * 1000, None, tail)
+        self._count(done, io.nbytes, lease.cached_tokens)
+        lease.table.record_restore(lease.slot, tokens[:done.n_tokens].copy(), owner=owner, tail=done.tail)
+        log.info("slot %d: restored %d tokens from %s in %.1f ms (written as fetched)", lease.slot, done.n_tokens,
+                 done.tier, done.ms)
+        return done
+
+    async def _stream_into(self, lease: Lease, expect: int,
+                           stream: Callable[[FileSink], Awaitable[Streamed]]) -> tuple[Streamed, RestoreIO]:
+        """Have ``stream`` write the leased slot's restore file (of about ``expect`` bytes) as it
+        fetches, restore it, and learn the rates: the fetch, and what the write did not hide."""
         box: list[Streamed] = []
 
         async def fill(sink: FileSink) -> None:
-            box.append(await stream_prefix(self.store, namespace, found, tokens, sink, window=window,
-                                           n_stream=target.n_stream))
+            box.append(await stream(sink))
 
-        io = await self.files.restore_placed(lease.slot, found.n_tokens * target.bytes_per_token, fill)
+        io = await self.files.restore_placed(lease.slot, expect, fill)
         got = box[0]
         self.metrics.restore_streams.labels("written").inc()
         self.metrics.restore_phase_seconds.labels("fetch").observe(got.fetch_s)
         read = sum(got.bytes_by_tier.values())
         for tier, nbytes in got.bytes_by_tier.items():
             self.cost.observe_fetch(tier, nbytes, got.fetch_s * nbytes / max(read, 1))
-        # What the restore took besides its fetch: the part of the write the fetch did not hide, and the load.
         io = replace(io, write_s=max(0.0, io.write_s - got.fetch_s))
         self._observe(io, 0.0, lease.table.computing - 1)
         self.cost.observe_restore(io.nbytes, io.write_s + io.llama_s)
-        if got.tail is not None:
-            self.metrics.tails.labels("restored").inc()
+        return got, io
+
+    def _slowest(self, tiers: Iterable[str]) -> str:
         order = [t.name for t in self.store.tiers]
-        tail = TailRecord(got.tail.key, got.n_tokens) if got.tail is not None else None
-        done = Restored(got.n_tokens, max(got.tiers, key=order.index), (time.perf_counter() - t0) * 1000, None, tail)
-        self._count(done, io.nbytes, lease.cached_tokens)
-        lease.table.record_restore(lease.slot, tokens[:done.n_tokens].copy(), owner=owner, tail=done.tail)
-        log.info("slot %d: restored %d tokens from %s in %.1f ms (written as fetched)", lease.slot, done.n_tokens,
-                 done.tier, done.ms)
-        return done
+        return max(tiers, key=order.index)
 
     async def _saved_file(self, lease: Lease, namespace: Namespace, tokens: np.ndarray, n: int, *, owner: str,
                           exact: bool, cached: int) -> Restored | None:
@@ -165,6 +188,18 @@ class RestoreWriter:
                                              exact=True, cached=cached)) is not None:
             return loaded
         t0 = time.perf_counter()
+        if (window := self._stream_window(namespace, target, manifest.chunks)) is not None:
+            try:
+                got, io = await self._stream_into(
+                    lease, manifest.n_tokens * target.bytes_per_token, lambda sink: stream_session(
+                        self.sessions, namespace, manifest, sink, window=window, n_stream=target.n_stream))
+            except StreamStopped as exc:  # fetched whole instead: a part gone raises SessionIncomplete there
+                self._stopped(lease.slot, exc)
+            else:
+                streamed = Restored(got.n_tokens, self._slowest(got.tiers), (time.perf_counter() - t0) * 1000)
+                self._count(streamed, io.nbytes, cached)
+                lease.table.set_tokens(lease.slot, manifest.tokens.copy(), owner=owner)
+                return streamed
         image = await session_image(self.sessions, namespace, manifest, v_trans=target.v_trans,
                                     n_stream=target.n_stream)
         self.metrics.restore_phase_seconds.labels("fetch").observe(image.fetch_s)

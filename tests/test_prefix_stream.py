@@ -17,12 +17,13 @@ from integrations.chunkassemble import assemble_state
 from integrations.chunkplace import Placed, PlacedFile, write_placed
 from integrations.chunks import read_chunk_header
 from integrations.chunksplit import split_state
-from integrations.prefixstream import StreamStopped, stream_prefix, window_chunks
+from integrations.prefixstream import StreamStopped, stream_prefix, stream_session, window_chunks
 from integrations.stateparse import parse_state
 from tests.test_statefile import logical, ref_file
 from tiers.codec import BlobCodec
-from tiers.keys import Namespace, chunk_key, prefix_chain
+from tiers.keys import Namespace, chunk_key, prefix_chain, session_tail_key
 from tiers.memory import MemoryTier
+from tiers.sessions import SessionIncomplete, SessionStore
 from tiers.store import TieredStore
 
 C = 64
@@ -126,6 +127,27 @@ async def test_a_state_of_transposed_v_is_not_placed(tmp_path: Path) -> None:
     found, tokens, _ = await stored_state(store, 6 * C, seed=6, v_trans=True)
     with pytest.raises(StreamStopped, match="plain KV in rows"):
         await stream_prefix(store, NS, found, tokens, FileSink(tmp_path / "restore"), window=2)
+
+
+async def test_a_streamed_session_writes_its_file_and_a_lost_tail_stops_it(tmp_path: Path) -> None:
+    store = two_tiers()
+    lg = logical(7 * C + 30, seed=7)
+    raw = ref_file(lg)
+    sessions = SessionStore(store, check=kvflow.content_mismatch)
+    manifest = await kvflow.save_session(sessions, NS, "s1", parse_state(raw), node="a")
+    assert (manifest.chunks, manifest.tail_tokens) == (7, 30)
+    sink = FileSink(tmp_path / "restore")
+    got = await stream_session(sessions, NS, manifest, sink, window=2)
+    assert sink.bytes() == raw and got.n_tokens == 7 * C + 30 and sink.writes == 4
+    # The session's tail gone: the stream stops before it writes a chunk; the whole fetch says why.
+    t_hash = bytes.fromhex(manifest.tail_hash)
+    await store.delete_everywhere([session_tail_key(NS, "s1", t_hash)])
+    sink = FileSink(tmp_path / "restore2")
+    with pytest.raises(StreamStopped, match="its tail is gone"):
+        await stream_session(sessions, NS, manifest, sink, window=2)
+    assert sink.writes == 0
+    with pytest.raises(SessionIncomplete):
+        await sessions.fetch(NS, manifest)
 
 
 def test_a_window_is_about_its_bytes_and_two_chunks_at_least() -> None:

@@ -45,7 +45,10 @@ def settings(llama: LlamaServer, redis_url: str | None, node: str, **kw: object)
 async def nodes(redis_srv: RedisProc, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Nodes]:
     tmp: Path = tmp_path_factory.mktemp("sessions")
     with llama_server(tmp, "-np", "2") as la, llama_server(tmp, "-np", "2") as lb:
-        async with run_sidecar(settings(la, redis_srv.url, "a")) as a, run_sidecar(settings(lb, redis_srv.url, "b")) as b:
+        # B restores sessions of more than two chunks two at a time, each pair written into the
+        # restore file while the next is fetched (``prefixstream.stream_session``); A fetches them whole.
+        async with run_sidecar(settings(la, redis_srv.url, "a")) as a, \
+                run_sidecar(settings(lb, redis_srv.url, "b", stream_window=1)) as b:
             yield Nodes(a, b, la, lb, redis_srv)
 
 
@@ -89,8 +92,10 @@ async def test_save_show_list_restore_delete_and_migrate(nodes: Nodes) -> None:
     status, listed = await call("GET", b.url + "/v1/sessions?prefix=mig&limit=1")
     assert status == 200 and [s["id"] for s in listed["sessions"]] == ["mig-1"]
     # Restore on B (a node that never saw it) into slot 1, then continue there and on A: same tokens.
+    streamed = b.metric("kvtier_restore_streams_total", outcome="written")
     status, restored = await call("POST", b.url + "/v1/sessions/mig-1/restore", json_body={"slot": 1})
     assert status == 200 and restored["n_restored"] == saved["tokens"] and restored["slot"] == 1, restored
+    assert b.metric("kvtier_restore_streams_total", outcome="written") == streamed + 1
     history = [{"role": "user", "content": "Which city has 26 parks?"}, {"role": "assistant", "content": first.content}]
     nxt = chat("And which has 39?", history)
     on_b = await post(nodes.llama_b.url + "/v1/chat/completions", {**nxt, "id_slot": 1, "cache_prompt": True})

@@ -18,6 +18,7 @@ it is reported, can be deleted or saved over, and a listing skips it and names i
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import builtins
@@ -44,7 +45,7 @@ from .keys import (
     tail_hash_after,
 )
 from .manifests import LocalManifests, ManifestStore
-from .store import ContentCheck, PayloadSource, TieredStore
+from .store import ContentCheck, PayloadSource, TieredStore, Verified
 
 log = logging.getLogger("kvtier.sessions")
 
@@ -264,18 +265,12 @@ class SessionStore:
             SessionIncomplete: a chunk or the tail is gone or damaged, or holds other cells than
                 its key names (then it is deleted where it was read, and counted).
         """
-        toks = manifest.tokens
         C = namespace.chunk_tokens
-        chain = prefix_chain(namespace, toks, manifest.chunks)
-        t_hash = bytes.fromhex(manifest.tail_hash)
-        tail_at = (session_tail_key(namespace, manifest.id, t_hash), t_hash) if manifest.tail_tokens else None
-        fetched, tail = await self.store.fetch_with_tail(namespace, chain, tail_at, promote=False)
+        chain = prefix_chain(namespace, manifest.tokens, manifest.chunks)
+        fetched, tail = await asyncio.gather(self.store.fetch(namespace, chain, promote=False),
+                                             self.read_tail(namespace, manifest))
         if self.check is not None:
             fetched = await self.store.matching(fetched, self.check, C)
-            reason = None if tail is None else self.check(tail.payload, manifest.chunks * C, manifest.tail_tokens)
-            if tail is not None and reason is not None and tail_at is not None:
-                await self.store.reject(tail_at[0], tail.tier, reason)
-                tail = None
         await self.store.promote(fetched)
         if fetched.n_chunks < manifest.chunks:
             raise SessionIncomplete(
@@ -291,6 +286,21 @@ class SessionStore:
         order = [t.name for t in self.store.tiers]
         slowest = max(tiers, key=order.index) if tiers else ""
         return payloads, slowest
+
+    async def read_tail(self, namespace: Namespace, manifest: Manifest) -> Verified | None:
+        """The session's tail when it is stored intact and holds the cells after its chunks (one
+        that does not is deleted where it was read, and counted); None when it has none or it is gone."""
+        if not manifest.tail_tokens:
+            return None
+        t_hash = bytes.fromhex(manifest.tail_hash)
+        key = session_tail_key(namespace, manifest.id, t_hash)
+        tail = await self.store.read_verified(key, t_hash, namespace)
+        if tail is not None and self.check is not None:
+            reason = self.check(tail.payload, manifest.chunks * namespace.chunk_tokens, manifest.tail_tokens)
+            if reason is not None:
+                await self.store.reject(key, tail.tier, reason)
+                return None
+        return tail
 
     async def touch(self, namespace: Namespace, manifest: Manifest) -> None:
         """Record a use of the session, unless it was deleted meanwhile (never brings it back)."""
