@@ -61,12 +61,13 @@ def window_chunks(window_bytes: int, chunk_tokens: int, bytes_per_token: int) ->
 
 
 async def stream_prefix(store: TieredStore, namespace: Namespace, found: PrefixFound, tokens: np.ndarray,
-                        sink: FileSink, *, window: int, n_stream: int = 1) -> Streamed:
+                        sink: FileSink, *, window: int, n_stream: int = 1, have: int = 0) -> Streamed:
     """Fetch ``found`` (plain KV: no rest, chunks in rows) ``window`` chunks at a time and write its
     restore file into ``sink`` as the windows arrive; each window is promoted once written.
 
     Raises:
-        StreamStopped: a chunk was gone, damaged or unlike the first (the file is unfinished).
+        StreamStopped: a chunk was gone, damaged or unlike the first (the file is unfinished), or
+            without its tail the prefix is no longer than ``have`` (what the slot holds: nothing written).
     """
     async def tail() -> _Tail:
         hit = found.tail
@@ -76,7 +77,7 @@ async def stream_prefix(store: TieredStore, namespace: Namespace, found: PrefixF
         return payload, answered, value.tier
 
     return await _stream(store, namespace, found.chunks.chunks, tail, tokens, sink, window=window,
-                         n_stream=n_stream, check=content_mismatch)
+                         n_stream=n_stream, check=content_mismatch, have=have)
 
 
 async def stream_session(sessions: SessionStore, namespace: Namespace, manifest: Manifest, sink: FileSink, *,
@@ -107,8 +108,9 @@ _Tail = tuple[bytes | memoryview | None, TailHit | None, str]
 async def _stream(store: TieredStore, namespace: Namespace, chain: Sequence[ChunkHash],
                   tail: Callable[[], Coroutine[Any, Any, _Tail]],
                   tokens: np.ndarray, sink: FileSink, *, window: int, n_stream: int,
-                  check: ContentCheck | None) -> Streamed:
-    """The chunks of ``chain`` and the ``tail`` after them into ``sink``, window by window."""
+                  check: ContentCheck | None, have: int = 0) -> Streamed:
+    """The chunks of ``chain`` and the ``tail`` after them into ``sink``, window by window, when
+    they are more than ``have`` tokens."""
     C = namespace.chunk_tokens
     fetch_s = [0.0]
 
@@ -125,6 +127,8 @@ async def _stream(store: TieredStore, namespace: Namespace, chain: Sequence[Chun
 
     current, (tail_payload, hit, tail_tier) = await _both(fetch(0), tail())
     cells = [C] * len(chain) + ([_cells(tail_payload)] if tail_payload is not None else [])
+    if sum(cells) <= have:
+        raise StreamStopped(f"{sum(cells)} tokens without the tail: no more than the slot holds")
     try:
         layout = PlacedFile(read_chunk_header(current.payloads[0]), cells, tokens, n_stream=n_stream)
         await sink.size(layout.nbytes)

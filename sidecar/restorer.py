@@ -114,7 +114,8 @@ class RestoreWriter:
         """Restore ``found`` with its restore file written window by window as the chunks arrive
         (``stream_prefix``), each promoted once written; record it in the slot table."""
         got, io = await self._stream_into(lease, found.n_tokens * target.bytes_per_token, lambda sink: stream_prefix(
-            self.store, namespace, found, tokens, sink, window=window, n_stream=target.n_stream))
+            self.store, namespace, found, tokens, sink, window=window, n_stream=target.n_stream,
+            have=lease.cached_tokens))
         if got.tail is not None:
             self.metrics.tails.labels("restored").inc()
         tail = TailRecord(got.tail.key, got.n_tokens) if got.tail is not None else None

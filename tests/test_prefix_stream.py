@@ -91,6 +91,12 @@ async def test_a_streamed_prefix_writes_the_file_of_the_state_and_promotes_it(tm
     assert got.n_tokens == 10 * C + 22 and got.nbytes == len(raw) and got.tail == found.tail
     assert sink.writes == 4  # windows of 3, 3, 3 and 1 chunks
     assert set(got.bytes_by_tier) == {"far"} and got.tiers == frozenset({"far", "memory"})
+    # A slot holding more than the chunks: with the tail gone, nothing is written over it.
+    await store.delete_everywhere([found.tail.key])
+    sink = FileSink(tmp_path / "restore2")
+    with pytest.raises(StreamStopped, match="no more than the slot holds"):
+        await stream_prefix(store, NS, found, tokens, sink, window=3, have=10 * C + 5)
+    assert sink.writes == 0
     # Each window was promoted once written: the chunks are in the RAM tier now.
     assert (await store.lookup(NS, tokens)).tiers == ["memory"] * 10
 
