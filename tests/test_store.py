@@ -274,14 +274,15 @@ class WatchedTier(MemoryTier):
         return stored
 
 
-async def test_a_large_store_sends_each_window_while_the_next_is_cut() -> None:
+@pytest.mark.parametrize("window_bytes", [2 * PAYLOAD_BYTES, PAYLOAD_BYTES // 2])  # a chunk larger than it: 2
+async def test_a_large_store_sends_each_window_while_the_next_is_cut(window_bytes: int) -> None:
     """Redis gets a save's first window before the rest is cut: the cut of the second window here
     waits for it (and would time out if every chunk were cut before any was sent)."""
     toks = tokens(700, 5)
     chain = chain_of(toks)
     sent = asyncio.Event()
     far = WatchedTier(keys_of(chain)[1], sent)
-    s = TieredStore([MemoryTier(64 * MB), far], BlobCodec("none"), window_bytes=2 * PAYLOAD_BYTES)
+    s = TieredStore([MemoryTier(64 * MB), far], BlobCodec("none"), window_bytes=window_bytes)
     payloads = CutPayloads(toks, sent)
     result = await s.store(NS, chain, payloads)
     assert result.chunks_written == 5 and payloads.windows == [(0, 2), (2, 4), (4, 5)]

@@ -236,7 +236,8 @@ class TieredStore:
             return blobs[i]
 
         size = getattr(payloads, "size_of", None)  # a source that can tell a chunk's size before cutting it
-        prepare = _Windows(payloads, blob, len(keys), self.window_bytes // max(1, size(0)) if size and keys else 0)
+        per = max(2, self.window_bytes // max(1, size(0))) if size and keys else 0  # 0: one window of all
+        prepare = _Windows(payloads, blob, len(keys), per)
         self._writer.submit(keys, blob, announce=announce, prepare=prepare)  # encodes only what a background tier lacks
         written = await self._through.put_missing(keys, blob, prepare, size)
         return StoreResult(len(keys), len(written), sum(len(b) for b in blobs.values()), time.perf_counter() - t0)
@@ -363,7 +364,7 @@ class _Windows:
         self._cut = getattr(payloads, "prepare", None)  # a source that cuts its payloads off the loop
         self._blob = blob
         self._n = n
-        self._per = max(2, per) if per else n
+        self._per = per or n
         self._ready: dict[int, asyncio.Future[None]] = {}
 
     def ready(self, i: int) -> bool:
