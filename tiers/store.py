@@ -357,8 +357,8 @@ class _Windows:
     the event loop (sums and MACs over hundreds of MiB at real KV sizes) before a tier asks for
     them. The RAM tier's write and the background writer await the same window once.
 
-    A window starts at the first chunk asked for and holds ``per`` chunks (two at least; 0: all
-    the rest), stopping at one already under way."""
+    A window starts at the first chunk asked for and holds ``per`` chunks (0: all the rest),
+    stopping at one already under way."""
 
     def __init__(self, payloads: PayloadSource, blob: Callable[[int], Value], n: int, per: int):
         self._cut = getattr(payloads, "prepare", None)  # a source that cuts its payloads off the loop
