@@ -497,4 +497,3 @@ async def save_session(sessions: SessionStore, namespace: Namespace, session_id:
         except Exception as exc:
             log.debug("publishing an event failed: %s", exc)
     return manifest
-
