@@ -99,7 +99,7 @@ def _install(out: str) -> None:
     completion.answer = after_async("answer", completion.answer)  # type: ignore[assignment]
     completion.save = after("save", completion.save)  # type: ignore[assignment]
 
-    conn = upstream._Connection
+    conn = upstream.Connection
     start, received = conn.start, conn.data_received
 
     def sent(self: Any, response: Any, data: bytes) -> None:
