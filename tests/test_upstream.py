@@ -243,6 +243,40 @@ def test_idle_connections_expire(loop: str, monkeypatch: pytest.MonkeyPatch) -> 
     assert run(loop, [ok(b"1"), ok(b"2"), ok(b"3")], body, keepalive_s=30.0).connections == 2
 
 
+def test_a_connection_closed_after_its_answer_is_replaced_before_the_next_request(loop: str) -> None:
+    # llama-server closes the connection after every streamed answer: the client opens the next one
+    # in the background, so the next request finds it open and sends at once.
+    async def body(upstream: Upstream, server: ScriptedServer) -> None:
+        assert (await post(upstream))[1] == b"x"
+        await until(lambda: server.connections == 2, "a replacement is opened without a request")
+        await until(lambda: any(not c.closed for c in upstream._idle), "the replacement is idle in the pool")
+        connect = upstream.connect
+
+        async def no_connect() -> Any:
+            raise AssertionError("the request opened a connection of its own")
+
+        upstream.connect = no_connect  # type: ignore[method-assign]
+        assert (await post(upstream))[1] == b"y"
+        upstream.connect = connect  # type: ignore[method-assign]
+
+    assert run(loop, [chunked(b"x"), chunked(b"y")], body, close_after=True).connections >= 2
+
+
+def test_a_connection_closed_for_idling_is_not_replaced(loop: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+    monkeypatch.setattr(upstream_module, "time", clock)
+
+    async def body(upstream: Upstream, server: ScriptedServer) -> None:
+        await post(upstream)
+        clock.now += upstream_module.REFILL_S + 1  # the server's close comes after its keep-alive timeout
+        await until(lambda: upstream._idle[0].closed, "the server's close is seen")
+        for _ in range(20):
+            await asyncio.sleep(0.005)
+        assert server.connections == 1 and upstream._refilling is None
+
+    run(loop, [ok(b"1"), ok(b"2")], body, close_after=True)
+
+
 @pytest.mark.parametrize("answer, message", [
     (b"HTTP/2 200 OK\r\n\r\n", "not an HTTP/1.x status line"),
     (b"SSH-2.0-OpenSSH\r\n\r\n", "not an HTTP/1.x status line"),

@@ -9,6 +9,9 @@ Why kvtier has its own client rather than aiohttp's, for this one job:
   closes) itself. Body pieces reach the caller as they arrive (SSE is never held back); closing a
   response that is still being read closes its connection, which makes llama-server cancel the
   generation.
+- No handshake on a request's path after a streamed answer, which llama-server always follows by
+  closing the connection: one that ends within ``REFILL_S`` of its answer, none idle beside it, is
+  replaced in the background (``_refill``). One closed for idling is not.
 - A witness of the process: a connection of its own, kept open to llama-server, which dies with the
   process behind it (``sidecar.http.witness``). This client opens it (``connect``) and asks
   ``/health`` on it (``health_on``), outside the pool.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import re
 import socket
 import ssl
@@ -46,6 +50,7 @@ KEEPALIVE_S = 4.0
 # Requests in flight at once (each holds a connection until its answer is read or dropped); more
 # wait their turn rather than open ever more sockets to llama-server (which queues them anyway).
 MAX_ACTIVE = 256
+REFILL_S = 1.0  # a connection ending this soon after its answer was closed for it, not for idling
 
 _STATUS_RE = re.compile(rb"HTTP/1\.([01]) (\d{3})(?: (.*))?")
 _TOKEN_RE = re.compile(rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
@@ -75,6 +80,7 @@ class Upstream:
         self._idle: collections.deque[Connection] = collections.deque()
         self._active = asyncio.Semaphore(max_active)
         self._closed = False
+        self._refilling: asyncio.Task[None] | None = None  # a connection opened for the idle pool
 
     async def request(self, method: str, target: str, headers: Iterable[tuple[str, str]],
                       body: bytes = b"") -> UpstreamResponse:
@@ -98,9 +104,12 @@ class Upstream:
     async def _exchange(self, method: str, data: bytes) -> UpstreamResponse:
         for attempt in (0, 1):
             conn = self._take_idle()
+            if conn is None and self._refilling is not None:
+                await asyncio.wait([self._refilling])  # a replacement is being opened: take that one
+                conn = self._take_idle()
             reused = conn is not None
             if conn is None:
-                conn = await self._connect()
+                conn = await self.connect()
             response = UpstreamResponse(self, conn, head_only=method == "HEAD")
             try:
                 conn.start(response, data)
@@ -136,12 +145,14 @@ class Upstream:
         now = time.monotonic()
         while self._idle:
             conn = self._idle.pop()  # the most recently used: least likely to have been dropped
+            conn.pool = None
             if not conn.closed and now - conn.idle_since < self.keepalive_s:
                 return conn
             conn.close()
         return None
 
-    async def _connect(self) -> Connection:
+    async def connect(self) -> Connection:
+        """A new connection, outside the pool (the pool's, or the witness's own)."""
         if self._closed:
             raise UpstreamError("client closed")
         loop = asyncio.get_running_loop()
@@ -150,13 +161,21 @@ class Upstream:
             loop.create_connection(Connection, self.host, self.port, ssl=context), self.connect_timeout)
         return conn
 
-    async def connect(self) -> Connection:
-        """A new connection of the caller's own, outside the pool (the witness keeps one)."""
-        return await self._connect()
+    def _ended(self, conn: Connection) -> None:
+        if not (self._closed or self._refilling or time.monotonic() - conn.idle_since > REFILL_S
+                or any(not c.closed for c in self._idle)):
+            self._refilling = asyncio.get_running_loop().create_task(self._refill())
+
+    async def _refill(self) -> None:
+        try:
+            self.put_back(await self.connect())
+        except (OSError, TimeoutError, UpstreamError):
+            pass  # the next request connects itself, and reports what fails
+        finally:
+            self._refilling = None
 
     async def health_on(self, conn: Connection, timeout: float) -> bool:
-        """``GET /health`` on ``conn``: whether llama-server answered it within ``timeout`` and
-        kept the connection open. One that fails is closed."""
+        """``GET /health`` on ``conn`` (closed if it fails): answered within ``timeout``, kept open?"""
         response = UpstreamResponse(self, conn, head_only=False)
         try:
             conn.start(response, self._encode("GET", "/health", (), b""))
@@ -176,14 +195,19 @@ class Upstream:
         return response.status == 200 and not conn.closed
 
     def put_back(self, conn: Connection) -> None:
+        """Keep ``conn`` for the next request; a closed one is dropped (and replaced: ``_ended``)."""
+        conn.idle_since = time.monotonic()
         if self._closed or conn.closed or len(self._idle) >= MAX_IDLE:
             conn.close()
+            self._ended(conn)
             return
-        conn.idle_since = time.monotonic()
+        conn.pool = self
         self._idle.append(conn)
 
     def close(self) -> None:
         self._closed = True
+        if self._refilling is not None:
+            self._refilling.cancel()
         while self._idle:
             self._idle.pop().close()
 
@@ -197,15 +221,14 @@ class Connection(asyncio.Protocol):
         self.closed = False
         self.received = False  # any byte of the current answer
         self.idle_since = 0.0
+        self.pool: Upstream | None = None  # while idle in a pool: told when the server closes it
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport subclasses
         sock = transport.get_extra_info("socket")
         if sock is not None:
-            try:
+            with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            except OSError:
-                pass
 
     def start(self, response: UpstreamResponse, data: bytes) -> None:
         if self.closed or self.transport is None:
@@ -228,6 +251,8 @@ class Connection(asyncio.Protocol):
         self.closed = True
         if self.response is not None:
             self.response.lost(exc)
+        elif self.pool is not None:
+            self.pool._ended(self)
 
     def pause(self, paused: bool) -> None:
         if self.transport is not None and not self.closed:
@@ -462,10 +487,9 @@ class UpstreamResponse:
         if conn is None:
             return
         conn.response = None
-        if self._state == _DONE and self.keep_alive and self._error is None and not self._buf:
-            self._upstream.put_back(conn)
-        else:
+        if not (self._state == _DONE and self.keep_alive and self._error is None and not self._buf):
             conn.close()
+        self._upstream.put_back(conn)  # kept, or (closed) dropped and replaced
 
     def close(self) -> None:
         """Drop the connection (llama-server then stops generating this answer)."""
