@@ -86,24 +86,44 @@ class PendingSaves:
 
     @contextlib.asynccontextmanager
     async def held(self, keys: Sequence[bytes], mark: PendingMark) -> AsyncIterator[None]:
-        """Markers for the duration of a save: set on entry, renewed every third of ``ttl``,
-        deleted on exit however it ends. Never raises for Redis: without markers, other nodes
-        only do not wait."""
+        """Markers for the duration of a save: set as the block begins, renewed every third of
+        ``ttl``, deleted on exit however it ends. Never raises for Redis: without markers, other
+        nodes only do not wait.
+
+        The block does not wait for Redis to take them: a save waits a moment before it reads its
+        slot, and a request that takes the slot over meanwhile (the same prompt again) must not wait
+        for a round trip to Redis. The exit waits for them before it deletes them, then first lets
+        the tasks that are ready run (that request, handed the slot as the save ended).
+        """
+        loop = asyncio.get_running_loop()
+        was_set: asyncio.Future[bool] = loop.create_future()
+        holder = loop.create_task(self._hold(keys, mark, was_set))
+        holder.add_done_callback(lambda _: _settle(was_set, False))  # cancelled before it began
+        try:
+            yield
+        finally:
+            marked = await asyncio.shield(was_set)
+            holder.cancel()
+            if marked:
+                await asyncio.sleep(0)
+                try:
+                    await self.clear(keys)
+                except KVTierError as exc:
+                    log.debug("pending-save markers not cleared (they expire): %s", exc)
+
+    async def _hold(self, keys: Sequence[bytes], mark: PendingMark, was_set: asyncio.Future[bool]) -> None:
+        """Set the markers, say whether they may be set, then renew them until cancelled."""
         try:
             await self.mark(keys, mark)
         except KVTierError as exc:
             log.debug("pending-save markers not set: %s", exc)
-            yield
+            was_set.set_result(False)
             return
-        renewing = asyncio.get_running_loop().create_task(self._renew_forever(keys))
-        try:
-            yield
-        finally:
-            renewing.cancel()
-            try:
-                await self.clear(keys)
-            except KVTierError as exc:
-                log.debug("pending-save markers not cleared (they expire): %s", exc)
+        except BaseException:  # cancelled (or failed) with the command sent: they may be set
+            was_set.set_result(True)
+            raise
+        was_set.set_result(True)
+        await self._renew_forever(keys)
 
     async def _renew_forever(self, keys: Sequence[bytes]) -> None:
         while True:
@@ -136,3 +156,8 @@ class PendingSaves:
             if left <= 0:
                 return False
             await asyncio.sleep(min(poll, left))
+
+
+def _settle(future: asyncio.Future[bool], value: bool) -> None:
+    if not future.done():
+        future.set_result(value)
