@@ -130,7 +130,7 @@ class KVEngine:
         if lease is None:
             return None
         plan = RequestPlan(NO_TOKENS, lease, target.namespace_for(salt), salt, asked=asked, follow_up=True,
-                           generation=self.watcher.generation, sharing=table.computing - 1)
+                           generation=self.watcher.generation, sharing=lease.sharing)
         self._launched(table, lease.slot, None)
         plan.overhead_ms = (time.perf_counter() - since - lease.waited_s) * 1000 if since is not None else 0.0
         self.metrics.overhead_seconds.observe(plan.overhead_ms / 1000)
@@ -168,7 +168,7 @@ class KVEngine:
         try:
             lease = await table.acquire(tokens, want=want_slot, timeout=timeout, owner=salt)
             plan = RequestPlan(tokens, lease, target.namespace_for(salt), salt, session_id, prompt, asked=asked,
-                               generation=self.watcher.generation, sharing=table.computing - 1)
+                               generation=self.watcher.generation, sharing=lease.sharing)
             if session_id is not None:
                 self.session_slots[session_id] = lease.slot
             t1 = time.perf_counter()
@@ -216,7 +216,7 @@ class KVEngine:
             # No session, or it could not be restored: the longest prefix the tiers hold, as for any
             # request (with Redis down, the local tiers may hold it).
             found = await self.planner.plan(plan.namespace, plan.tokens, plan.llama_reused, target, lease.slot,
-                                            early, budget, sharing=lease.table.computing - 1)
+                                            early, budget, sharing=lease.sharing)
             if found is None:
                 if plan.llama_reused > lease.cached_tokens:
                     self.metrics.decisions.labels("llama_cache").inc()
@@ -240,7 +240,7 @@ class KVEngine:
             manifest = await self.planner.find_session(self.sessions, plan.namespace, plan.session_id, plan.tokens,
                                                        lease.cached_tokens, target, lease.slot, budget)
             if not self.planner.session_worth(manifest, plan.tokens, plan.llama_reused, target,
-                                              self._session_tier, lease.slot, lease.table.computing - 1):
+                                              self._session_tier, lease.slot, lease.sharing):
                 return False
             restored = await self.restorer.restore_session(lease, plan.namespace, manifest, target,
                                                            owner=plan.salt, cached=lease.cached_tokens)

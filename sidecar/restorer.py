@@ -87,7 +87,7 @@ class RestoreWriter:
         for tier in set(chunks.tiers):
             share = chunks.tiers.count(tier) / max(chunks.n_chunks, 1)
             self.cost.observe_fetch(tier, int(chunks.bytes_read * share), chunks.seconds * share)
-        nbytes, restore_s = await self.load(slot, got.payloads, tokens, target, sharing=lease.table.computing - 1)
+        nbytes, restore_s = await self.load(slot, got.payloads, tokens, target, sharing=lease.sharing)
         self.cost.observe_restore(nbytes, restore_s)
         if got.tail is not None:
             self.metrics.tails.labels("restored").inc()
@@ -143,7 +143,7 @@ class RestoreWriter:
         for tier, nbytes in got.bytes_by_tier.items():
             self.cost.observe_fetch(tier, nbytes, got.fetch_s * nbytes / max(read, 1))
         io = replace(io, write_s=max(0.0, io.write_s - got.fetch_s))
-        self._observe(io, 0.0, lease.table.computing - 1)
+        self._observe(io, 0.0, lease.sharing)
         self.cost.observe_restore(io.nbytes, io.write_s + io.llama_s)
         return got, io
 
@@ -168,7 +168,7 @@ class RestoreWriter:
         io, held = loaded
         # The queue wait is learned as ever; no restore rate: this is not the rate of a restore
         # from the tiers, which is what the cost model prices.
-        self._observe(io, 0.0, lease.table.computing - 1)
+        self._observe(io, 0.0, lease.sharing)
         # No tail recorded: without reading it, the tail found may be a reference, which is no
         # tail of this context (``restored_tail``) and must not be deleted as one.
         done = Restored(n, SAVED_FILE, (time.perf_counter() - t0) * 1000)
@@ -204,7 +204,7 @@ class RestoreWriter:
         image = await session_image(self.sessions, namespace, manifest, v_trans=target.v_trans,
                                     n_stream=target.n_stream)
         self.metrics.restore_phase_seconds.labels("fetch").observe(image.fetch_s)
-        nbytes, _ = await self._write(lease.slot, image.pieces, image.assemble_s, lease.table.computing - 1)
+        nbytes, _ = await self._write(lease.slot, image.pieces, image.assemble_s, lease.sharing)
         done = Restored(int(manifest.tokens.size), image.tier, (time.perf_counter() - t0) * 1000)
         self._count(done, nbytes, cached)
         lease.table.set_tokens(lease.slot, manifest.tokens.copy(), owner=owner)

@@ -132,6 +132,10 @@ class Lease:
     foreign: bool = False  # the slot holds another tenant's tokens: erase before use
     released: bool = False
 
+    @property
+    def sharing(self) -> int:  # other slots computing beside this one: its slot actions wait behind them
+        return self.table.computing - 1
+
     def release(self) -> None:
         if not self.released:
             self.released = True
