@@ -5,6 +5,7 @@ the markers (a next turn on another node waiting for a save): tests/test_pending
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import redis
@@ -39,6 +40,36 @@ async def test_a_save_does_not_wait_for_its_markers_and_clears_them_once_they_la
                 await asyncio.sleep(0.01)
             assert PendingMark.parse(r.get(KEYS[1])) == MARK and 0 < r.pttl(KEYS[1]) <= 30_000
         assert r.exists(*KEYS) == 0
+    finally:
+        r.execute_command("CLIENT", "UNPAUSE")
+        r.close()
+        await connection.aclose()
+
+
+async def test_a_save_cancelled_while_its_markers_are_on_their_way_leaves_nothing_renewing(
+        redis_srv: RedisProc) -> None:
+    connection = RedisConnection(redis_srv.url, socket_timeout=5)
+    pending = PendingSaves(connection, ttl=30)
+    r = redis.Redis(port=redis_srv.port)
+    inside = asyncio.Event()
+
+    async def save() -> None:
+        async with pending.held(KEYS, MARK):
+            inside.set()
+            await asyncio.sleep(10)
+
+    try:
+        r.execute_command("CLIENT", "PAUSE", 500, "WRITE")
+        task = asyncio.create_task(save())
+        await asyncio.wait_for(inside.wait(), 1)
+        task.cancel()  # the block ends; its exit waits for the markers
+        await asyncio.sleep(0.05)
+        task.cancel()  # and that wait is cancelled too (a shutdown)
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(0.05)
+        holders = [t for t in asyncio.all_tasks() if getattr(t.get_coro(), "__name__", "") == "_hold"]
+        assert not holders, "a task still holds (and renews) the markers"
     finally:
         r.execute_command("CLIENT", "UNPAUSE")
         r.close()

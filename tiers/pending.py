@@ -102,8 +102,10 @@ class PendingSaves:
         try:
             yield
         finally:
-            marked = await asyncio.shield(was_set)
-            holder.cancel()
+            try:
+                marked = await asyncio.shield(was_set)
+            finally:
+                holder.cancel()  # never left renewing, even when this wait is cancelled
             if marked:
                 await asyncio.sleep(0)
                 try:
