@@ -28,9 +28,8 @@ from tiers.keys import common_prefix
 Asked = tuple[int, ...] | str
 # How much a follow-up may add to what its slot answered: a chat's last message, a text's end.
 FOLLOW_UP_MAX_CHARS = 512
-# A slot used this recently holds a live conversation, likely to come back: a request that would
-# overwrite more of it than it reuses takes a colder free slot instead (``_worth``). Agents'
-# steps and chat turns come back within seconds to minutes; a state colder than this is in the tiers.
+# A slot used this recently holds a live conversation (agents' steps, chat turns: back within minutes;
+# colder is in the tiers): a request overwriting more than it reuses takes a colder free slot (``_worth``).
 LIVE_S = 600.0
 
 

@@ -9,9 +9,8 @@ Why kvtier has its own client rather than aiohttp's, for this one job:
   closes) itself. Body pieces reach the caller as they arrive (SSE is never held back); closing a
   response that is still being read closes its connection, which makes llama-server cancel the
   generation.
-- No handshake on a request's path after a streamed answer, which llama-server always follows by
-  closing the connection: one that ends within ``REFILL_S`` of its answer, none idle beside it, is
-  replaced in the background (``_refill``). One closed for idling is not.
+- No handshake on a request's path after a streamed answer (llama-server then closes the connection):
+  one ending within ``REFILL_S`` of its answer, none idle beside it, is replaced by ``_refill``.
 - A witness of the process: a connection of its own, kept open to llama-server, which dies with the
   process behind it (``sidecar.http.witness``). This client opens it (``connect``) and asks
   ``/health`` on it (``health_on``), outside the pool.
@@ -175,7 +174,7 @@ class Upstream:
             self._refilling = None
 
     async def health_on(self, conn: Connection, timeout: float) -> bool:
-        """``GET /health`` on ``conn`` (closed if it fails): answered within ``timeout``, kept open?"""
+        """``GET /health`` on ``conn``: answered within ``timeout`` and kept open (closed if not)."""
         response = UpstreamResponse(self, conn, head_only=False)
         try:
             conn.start(response, self._encode("GET", "/health", (), b""))
