@@ -157,8 +157,14 @@ class Aftercare:
         # writing the slot file, kvtier splitting it) would compete for the CPU with its delivery.
         # A request that continues the answer and waits for this slot ends the pause (below).
         await table.until_awaited(lease.slot, SAVE_DELAY_S)
+        # A request waiting for the slot takes it, and is sent on, before the answer is read (the
+        # yield): reading it is off that request's path.
+        if skipped := self._skip(plan, ok, free, known=self.watcher.confirmed):
+            await asyncio.sleep(0)
         if answer is not None:
             self._learn(plan, answer)
+        if skipped:
+            return False
         if not ok and not cut:
             # Nothing from a failed request is cached; what the slot holds now is unknown.
             table.forget(lease.slot)
@@ -170,13 +176,7 @@ class Aftercare:
         if await self._server_changed(plan):
             table.forget(lease.slot)
             return False
-        if ok and plan.session_id is None and table.awaited(lease.slot):
-            # The conversation's next request (or the same prompt again) already waits for this
-            # slot: llama-server alone would serve it from the slot at once. Its own save stores all
-            # this one would, and more; saving now would only make it wait (and stall the others).
-            table.skip_save(lease.slot, plan.asked)
-            self.metrics.saves_skipped.inc()
-            free()
+        if self._skip(plan, ok, free, known=True):
             return False
 
         def read() -> None:
@@ -202,6 +202,20 @@ class Aftercare:
             save.cancel()  # when this task is cancelled (a no-op once the save is done)
         if ok:  # a cut answer's slot may hold part of the prompt only
             self.prompts.check(plan.prompt, state.tokens.tokens)
+        return True
+
+    def _skip(self, plan: RequestPlan, ok: bool, free: Callable[[], None], *, known: bool) -> bool:
+        """Skip the save when the conversation's next request (or the same prompt again) already
+        waits for this slot: llama-server alone would serve it from the slot at once. Its own save
+        stores all this one would, and more; saving now would only make it wait (and stall the
+        others). ``known``: llama-server is known to be the process the request was planned for."""
+        lease = plan.lease
+        if not (known and ok and plan.session_id is None and self.watcher.generation == plan.generation
+                and lease.table.awaited(lease.slot)):
+            return False
+        lease.table.skip_save(lease.slot, plan.asked)
+        self.metrics.saves_skipped.inc()
+        free()
         return True
 
     async def _hand_over_when_wanted(self, plan: RequestPlan, save: asyncio.Future[Any]) -> None:

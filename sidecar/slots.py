@@ -369,8 +369,8 @@ class SlotTable(SlotRecords):
         self._wake()  # those ahead may wait for one slot in particular: this one may still go now
         for event in self._watched.values():  # a save waiting for a waiter checks this one
             event.set()
-        try:
-            lease = await asyncio.wait_for(asyncio.shield(fut), timeout)
+        try:  # without a timeout, no shield: the waiter wakes in the loop's next turn, not its second
+            lease = await (fut if timeout is None else asyncio.wait_for(asyncio.shield(fut), timeout))
         except (TimeoutError, asyncio.CancelledError):
             if entry in self._waiters:
                 self._waiters.remove(entry)

@@ -191,11 +191,15 @@ async def test_lease_is_bound_to_its_table_and_released_once() -> None:
     assert not new.slots[0].busy and held.released
 
 
-async def test_a_waiter_that_gives_up_hands_its_slot_on() -> None:
+@pytest.mark.parametrize("granted_first", [False, True])  # True: given the slot, then cancelled before it ran
+async def test_a_waiter_that_gives_up_hands_its_slot_on(granted_first: bool) -> None:
     table = SlotTable(1)
     first = await table.acquire(np.arange(3, dtype=np.int32))
     waiter = asyncio.create_task(table.acquire(np.arange(3, dtype=np.int32)))
     await asyncio.sleep(0)
+    if granted_first:
+        first.release()
+        assert table.slots[0].busy  # the waiter's now
     waiter.cancel()
     first.release()
     with pytest.raises(asyncio.CancelledError):

@@ -16,6 +16,7 @@ import aiohttp
 import pytest
 
 from sidecar import aftercare
+from sidecar.http import upstream
 from tests.servers import RedisProc
 from tests.sidecars import post
 from tests.test_aborted_answers import SYSTEM, node
@@ -32,6 +33,20 @@ def text(question: str, n: int) -> dict[str, Any]:
 async def test_a_prompt_sent_again_at_once_is_served_from_its_slot_without_waiting_for_the_save(
         redis_srv: RedisProc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(aftercare, "SAVE_DELAY_S", SAVE_DELAY_S)
+    events: list[str] = []  # completions sent to llama-server, and answers read for their timings
+    learn, start = aftercare.Aftercare._learn, upstream.Connection.start
+
+    def learned(self: aftercare.Aftercare, plan: Any, answer: bytes) -> None:
+        events.append("learned")
+        learn(self, plan, answer)
+
+    def sent(self: upstream.Connection, response: Any, data: bytes) -> None:
+        if data.startswith(b"POST /completion "):
+            events.append("sent")
+        start(self, response, data)
+
+    monkeypatch.setattr(aftercare.Aftercare, "_learn", learned)
+    monkeypatch.setattr(upstream.Connection, "start", sent)
     async with node(tmp_path, redis_srv.url, "a") as (llama_a, a), node(tmp_path, redis_srv.url, "b") as (_, b):
         async with aiohttp.ClientSession() as s, s.post(llama_a.url + "/tokenize", json={"content": SYSTEM}) as r:
             shared = len((await r.json())["tokens"])
@@ -46,6 +61,8 @@ async def test_a_prompt_sent_again_at_once_is_served_from_its_slot_without_waiti
         assert a.metric("kvtier_saves_skipped_total") == 1
         # It waited for the slot as a follow-up: untokenized, as llama-server alone reads no more.
         assert a.metric("kvtier_follow_ups_total") == 1
+        # The repeat was sent on before the first answer's timings were read: that is off its path.
+        assert events[:3] == ["sent", "sent", "learned"], events
 
         # The repeat's own save stores what the slot holds: another node restores the prefix.
         await a.engine.drain(30)
