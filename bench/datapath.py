@@ -508,7 +508,16 @@ async def kvtier_rep(s: aiohttp.ClientSession, cl: Cluster, redis_url: str, n: i
     out["peak_rss_sampled_mib"] = peaks.row()
     # Each sidecar's peak so far: its saves (A) and restores (B, then A), this size's reps up to now.
     out["peak_rss_mib"] = {"a": peak_rss_mib(sidecar_pid(node_a)), "b": peak_rss_mib(sidecar_pid(node_b))}
+    out["heap_mib"] = {name: await heap_mib(s, node.sidecar_url) for name, node in (("a", node_a), ("b", node_b))}
     return out
+
+
+async def heap_mib(s: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    """A sidecar's RAM tier and malloc heap now (``kvtier_heap_bytes``), MiB: free bytes not at
+    the heap's top are holes between blocks in use, in its RSS whether or not a buffer fits them."""
+    m = await scrape(s, url)
+    out = {state: metric(m, "kvtier_heap_bytes", state=state) / MIB for state in ("in_use", "free", "free_at_top")}
+    return {"ram_tier": metric(m, "kvtier_tier_bytes_used", tier="memory") / MIB} | out
 
 
 async def _kvtier_rep(s: aiohttp.ClientSession, cl: Cluster, redis_url: str, n: int, r: int,
@@ -692,6 +701,12 @@ def cpu_rows(run: str, al: list[dict[str, Any]], kv: list[dict[str, Any]], per_t
         rows.append([run, "  of it private (RssAnon) / mapped files (slot files on tmpfs), MiB", None, None, None,
                      " / ".join(f"{max(p['anon'][k] for p in sampled):,.0f}" for k in ("a", "b")) + " private; "
                      + " / ".join(f"{max(p['mapped'][k] for p in sampled):,.0f}" for k in ("a", "b")) + " mapped"])
+    for x in kv:
+        if "heap_mib" in x:
+            h = x["heap_mib"]["a"]
+            rows.append([run, f"  node A after rep {x['rep'] + 1}: RAM tier / heap in use / heap free (at its top), MiB",
+                         None, None, None, (f"{h['ram_tier']:,.0f} / {h['in_use']:,.0f} / {h['free']:,.0f} "
+                                                 f"({h['free_at_top']:,.0f})")])
     loads = [x["load_avg"][0] for x in al] + [x[k]["load_avg"][0] for x in kv for k in ("save", "restore_other")]
     rows.append([run, "load average (1 min) seen", None, None, None, f"{min(loads)} to {max(loads)}"])
     return rows

@@ -18,7 +18,9 @@ from integrations.llama_server import Timings
 from integrations.memkind import MemoryKind
 from tiers.sessions import SessionStore
 from tiers.store import TieredStore
+from tiers.threads import in_background
 
+from .heap import release_holes
 from .metrics import Metrics
 from .planner import RestorePlanner
 from .prompts import PromptTokens
@@ -113,6 +115,7 @@ class Aftercare:
         # Other nodes learn first that this save is coming: a next turn of this conversation that
         # reaches one of them may wait for it rather than recompute (saver.marks). The slot is
         # free again once its state is read; the markers stay until Redis holds what was stored.
+        stored = False
         async with self.saver.marks.held(plan.namespace, plan.tokens if ok or cut else NO_TOKENS):
             try:
                 stored = await self._save(plan, ok, answer, free, cut=cut)
@@ -128,9 +131,11 @@ class Aftercare:
                 # Not the pending set's size less one: another save may still be in it, past this
                 # point, waiting for Redis (the gauge stayed at 1 after both had ended).
                 self._saved(asyncio.current_task())
-                if plan.fetched is not None:  # after the slot is free: no one waits on this copy
-                    fetched, plan.fetched = plan.fetched, None
+                fetched, plan.fetched = plan.fetched, None
+                if fetched is not None:  # after the slot is free: no one waits on this copy
                     await self.store.promote(fetched)
+                if stored or fetched is not None:  # what their evictions freed and no chunk fits (sidecar/heap.py)
+                    await in_background(release_holes)
             if stored:
                 await self.saver.readable(answered, int(plan.tokens.size))
 

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from sidecar import heap
+from sidecar.metrics import Metrics
 
 # In a child process (the setting is process-wide): fill a 33 MiB buffer (an 8B model's 256-token
 # chunk with its header), free it, fill another of the same size; the page faults of each fill.
@@ -55,6 +56,33 @@ print(json.dumps({"changed": changed, "first": fills[0], "later": fills[1:]}))
 """
 
 
+# The heap after a chunk, a smaller tail and another chunk were cut, the tail freed (evicted) and
+# a third chunk cut, then a fourth freed (kept at the top for the next cut): MiB in use, free, and
+# free at the heap's top (``heap_usage``), and the private memory before and after ``release_holes``.
+HOLE_CHILD = """
+import json, sys
+import numpy as np
+from sidecar.heap import heap_usage, release_holes, reuse_freed_memory
+if sys.argv[1] == "reuse":
+    reuse_freed_memory()
+def fill(mib):
+    buf = np.empty(mib << 20, np.uint8)
+    buf[:] = 1
+    return buf
+def private():
+    return next(int(line.split()[1]) >> 10 for line in open("/proc/self/status") if line.startswith("RssAnon"))
+first, tail, second = fill(80), fill(65), fill(80)
+del tail
+third, fourth = fill(80), fill(90)
+del fourth
+u, before = heap_usage(), private()
+released = release_holes()
+print(json.dumps({"in_use": u.in_use >> 20, "free": u.free >> 20, "free_at_top": u.free_at_top >> 20,
+                  "released": released, "before": before, "after": private(),
+                  "at_top_after": heap_usage().free_at_top >> 20}))
+"""
+
+
 def faults(mode: str, env: dict[str, str] | None = None, child: str = CHILD) -> dict[str, Any]:
     out = subprocess.run([sys.executable, "-c", child, mode], capture_output=True, text=True, timeout=60,
                          env={**os.environ, **(env or {})}, check=True)
@@ -87,3 +115,20 @@ def test_an_operators_own_malloc_settings_are_left_alone(monkeypatch: pytest.Mon
     monkeypatch.setenv("MALLOC_MMAP_MAX_", "65536")
     assert heap.reuse_freed_memory() is False
     assert faults("reuse", {"MALLOC_MMAP_MAX_": "65536"})["changed"] is False
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallinfo2 and malloc_trim")
+def test_a_freed_tail_that_no_chunk_fits_is_given_back_and_the_top_kept() -> None:
+    heap = faults("reuse", child=HOLE_CHILD)
+    # The third chunk did not fit the tail's 65 MiB: it came from the top, and the hole stayed in
+    # the process's memory (``kvtier_heap_bytes``: free, not at the top) until it was given back.
+    assert heap["in_use"] >= 240 and heap["free"] - heap["free_at_top"] >= 64, heap
+    assert heap["released"] and heap["before"] - heap["after"] >= 60, heap
+    assert heap["at_top_after"] >= 89, heap  # the freed 90 MiB at the top stay for the next cut
+    # Without kvtier's malloc settings glibc maps such blocks apart: nothing to do, nothing done.
+    assert faults("plain", child=HOLE_CHILD)["released"] is False
+
+
+def test_the_heap_metric_is_rendered_where_glibc_tells_it() -> None:
+    rendered = Metrics().render().decode()
+    assert ('kvtier_heap_bytes{state="in_use"}' in rendered) == (heap.heap_usage() is not None)
