@@ -560,10 +560,17 @@ async def run_size(a: argparse.Namespace, shape: str, n: int, redis_url: str) ->
                 console.print(f"datapath: {shape}, {n} tokens, llama-server alone, rep {r + 1}/{a.reps}")
                 out["alone"].append(await alone_rep(s, cl.nodes[0], redis_url, n, r, a))
     await redis_flush(redis_url)
-    with cluster(2, llama_args(n, a.threads), sidecar=True, redis_url=redis_url, model=model) as cl:
+    # Each node prices a recompute at the prefill rate measured above at this size, as a serving
+    # node learns it from its prompts. These generated models' prefill is attention-bound, so a
+    # short prompt's rate is many times a long one's (70B: the 32-token warm-up taught node B
+    # a rate that made a 2,000-token recompute look faster than a restore, twice).
+    tps = n / (statistics.median(x["recompute_ms"] for x in out["alone"]) / 1000)
+    with cluster(2, llama_args(n, a.threads), sidecar=True, redis_url=redis_url, model=model,
+                 sidecar_args=("--prefill-tps-prior", f"{tps:.1f}")) as cl:
         async with client_session() as s:
             for node in cl.nodes:  # a sidecar's first request probes llama-server: not in a measured one
-                await complete(s, node.sidecar_url, await exact_tokens(s, node.llama_url, 32, seed=999), 2)
+                # (under 32 tokens computed: too few to learn a prefill rate from, which keeps the prior)
+                await complete(s, node.sidecar_url, await exact_tokens(s, node.llama_url, 16, seed=999), 2)
             await wait_idle(s, [node.sidecar_url for node in cl.nodes])
             out["kvtier"] = []
             try:
