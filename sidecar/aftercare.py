@@ -18,7 +18,7 @@ from integrations.llama_server import Timings
 from integrations.memkind import MemoryKind
 from tiers.sessions import SessionStore
 from tiers.store import TieredStore
-from tiers.threads import in_background
+from tiers.threads import in_thread
 
 from .heap import release_holes
 from .metrics import Metrics
@@ -134,8 +134,9 @@ class Aftercare:
                 fetched, plan.fetched = plan.fetched, None
                 if fetched is not None:  # after the slot is free: no one waits on this copy
                     await self.store.promote(fetched)
-                if stored or fetched is not None:  # what their evictions freed and no chunk fits (sidecar/heap.py)
-                    await in_background(release_holes)
+                if stored or fetched is not None:  # what their evictions freed and no chunk fits (sidecar/heap.py):
+                    # not in the save pool, where it would wait behind other saves' cuts, and the marks with it
+                    await in_thread(release_holes)
             if stored:
                 await self.saver.readable(answered, int(plan.tokens.size))
 
