@@ -324,6 +324,31 @@ async def test_multi_get_is_one_pipeline_of_getex(redis_srv: RedisProc) -> None:
     await tier.aclose()
 
 
+async def test_presence_of_many_keys_is_one_script_call(redis_srv: RedisProc) -> None:
+    r = raw(redis_srv)
+    tier = RedisTier(redis_srv.url)
+    keys = [f"many:{i}".encode() for i in range(255)]
+    await tier.put_many({k: b"v" for k in keys[3:250:7]})
+    r.config_resetstat()
+    assert await tier.contains_many(keys) == [3 <= i < 250 and (i - 3) % 7 == 0 for i in range(255)]
+    stats = r.info("commandstats")
+    assert stats["cmdstat_evalsha"]["calls"] == 1 and stats["cmdstat_exists"]["calls"] == 255
+    r.script_flush()  # a restarted server has no scripts: loaded again
+    assert await tier.contains_many(keys[:4]) == [False, False, False, True]
+    assert tier.stats().errors == 0
+    await tier.aclose()
+
+
+async def test_presence_falls_back_to_exists_where_scripts_are_refused() -> None:
+    with redis_server("--user", "default", "on", "nopass", "~*", "&*", "+@all", "-@scripting") as srv:
+        tier = RedisTier(srv.url)
+        await tier.put_many({b"b": b"1", b"d": b"2"})
+        assert await tier.contains_many([b"a", b"b", b"c", b"d"]) == [False, True, False, True]
+        assert await tier.contains_many([b"d", b"a"]) == [True, False]
+        assert tier.stats().errors == 1  # the refusal, once: not tried again
+        await tier.aclose()
+
+
 async def test_large_values_single_and_pipelined(redis_srv: RedisProc) -> None:
     chunk = 256 * 23_040  # one SmolLM2 chunk of 256 tokens, f16 KV
     tier = RedisTier(redis_srv.url, ttl=60)

@@ -18,7 +18,7 @@ import redis.exceptions as rex
 
 from .base import StatsCounter, TierRole, TierStats
 from .breaker import BreakerStats, CircuitBreaker
-from .errors import KVTierError
+from .errors import KVTierError, TierUnavailable
 from .redis_bulk import Buffer, BulkLane, Command
 from .redis_conn import AnyPipeline, RedisConnection, RedisOptions, ttl_seconds
 from .redis_urls import RedisTarget
@@ -29,6 +29,10 @@ log = logging.getLogger("kvtier.redis")
 # 3.11's asyncio transport copies whatever the socket does not take at once into a bytearray, so one
 # 94 MB pipeline ran at 0.3-0.5 GB/s here and stalled the event loop, while 4 MB pipelines ran at 1.3.
 PUT_PIPELINE_BYTES = 4 << 20
+# Which of many keys exist, as one command with one array reply. A redis-py pipeline of EXISTS
+# costs ~10 us of Python per key: 2.8 ms for the 255 candidate tails of a lookup here, 0.54 ms as
+# this script (0.24 against 0.19 ms for 8 keys). Not in cluster mode, where keys span slots.
+EXISTS_MANY = "local out = {} for i = 1, #KEYS do out[i] = redis.call('EXISTS', KEYS[i]) end return out"
 
 
 class RedisTier:
@@ -61,6 +65,7 @@ class RedisTier:
         self.refresh_on_hit = bool(refresh_on_hit)
         self._stats = StatsCounter(name)
         self._use_getex = True
+        self._exists_script = None if connection.cluster else connection.client.register_script(EXISTS_MANY)
 
     def __repr__(self) -> str:
         c = self.connection
@@ -221,9 +226,21 @@ class RedisTier:
         return sum(ok), sum(n for n, good in zip(sizes, ok) if good), len(ok) - sum(ok)
 
     async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """Pipelined EXISTS; an unreachable server answers "absent" for every key."""
+        """EXISTS of each key, in one script call (``EXISTS_MANY``), or pipelined where scripts are
+        refused (ACL, a proxy; counted once, then not tried again) and in cluster mode; an
+        unreachable server answers "absent" for every key."""
         if not keys:
             return []
+        if (script := self._exists_script) is not None and len(keys) > 1:
+            try:
+                results = await self.connection.run("exists", lambda: script(keys=list(keys)))
+            except TierUnavailable:
+                return [False] * len(keys)
+            except KVTierError as exc:
+                self._exists_script = None
+                log.info("redis %s refused the presence script (%s); EXISTS per key from now on", self.url, exc)
+            else:
+                return [r == 1 for r in results]
 
         def fill(pipe: AnyPipeline) -> None:
             for k in keys:
