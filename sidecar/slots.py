@@ -202,17 +202,13 @@ class SlotRecords:
         return record.saving and record.answered is not None and any(
             _continues_answer(record.answered, slot, *entry) for entry in self._waiters)
 
-    async def until_awaited(self, slot: int, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds for ``slot`` to be ``awaited``; whether it is."""
-        return await self._until(slot, lambda: self.awaited(slot), timeout)
-
     def wanted(self, slot: int) -> bool:
         """Whether a request waits that ``slot`` could serve (it asked for that slot, or any)."""
         return any(not fut.done() and want in (None, slot) for fut, _, want, _ in self._waiters)
 
-    async def until_wanted(self, slot: int) -> None:
-        """Return once ``slot`` is ``wanted``."""
-        await self._until(slot, lambda: self.wanted(slot), None)
+    async def until_wanted(self, slot: int, timeout: float | None = None) -> bool:
+        """Wait up to ``timeout`` seconds (None: no limit) for ``slot`` to be ``wanted``; whether it is."""
+        return await self._until(slot, lambda: self.wanted(slot), timeout)
 
     async def _until(self, slot: int, holds: Callable[[], bool], timeout: float | None) -> bool:
         """Wait up to ``timeout`` seconds (None: no limit) for ``holds()``, checked again each time

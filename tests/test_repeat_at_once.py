@@ -116,3 +116,25 @@ async def test_a_follow_ups_save_is_made_when_an_unrelated_request_waits_for_its
         assert a.metric("kvtier_saves_skipped_total") == 0
         assert a.metric("kvtier_save_seconds_count") == 3
         assert a.engine.slots.tokens(0).size > 0
+
+
+async def test_a_request_waiting_for_a_busy_slot_ends_the_pause_before_its_save(
+        redis_srv: RedisProc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every slot busy (the one slot here) and an unrelated request waiting: the save after the
+    # answer is sent at once, not after the pause, and the slot goes to the request at its
+    # hand-over (llama-server alone would start it right after the answer). The save is made.
+    pause = 10.0
+    monkeypatch.setattr(aftercare, "SAVE_DELAY_S", pause)
+    async with node(tmp_path, redis_srv.url, "a", ("-np", "1")) as (_, a):
+        first = asyncio.ensure_future(post(a.url + "/completion", text("What does shelf 7 hold?", 24)))
+        await asyncio.sleep(0.2)  # it has the one slot: the next request waits for it
+        unrelated = {"prompt": "Log 3. " + " ".join(f"Entry {i}: value {i * 3}." for i in range(60)),
+                     "n_predict": 4, "temperature": 0}
+        t0 = asyncio.get_running_loop().time()
+        other = await post(a.url + "/completion", unrelated)
+        waited = asyncio.get_running_loop().time() - t0
+        assert (await first).status == 200 and other.status == 200
+        assert waited < pause, waited  # after the pause it would have taken longer than the pause
+        await a.engine.drain(30)
+        assert a.metric("kvtier_saves_skipped_total") == 0
+        assert a.metric("kvtier_save_seconds_count") == 2  # the first answer's save too
