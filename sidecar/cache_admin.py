@@ -299,7 +299,7 @@ async def follow_purges(engine: KVEngine, conn: RedisConnection, events: EventBu
     CLI purge, as their ``cache_purged`` events on the model's channel say."""
     registrar = asyncio.get_running_loop().create_task(register_forever(engine, conn), name="kvtier-model-record")
     try:
-        while not await engine.ensure_ready():
+        while not await engine.watcher.ensure_ready():  # not a request's wait (kvtier_server_checks_seconds)
             await asyncio.sleep(2)
         target = engine.target
         assert target is not None
@@ -319,7 +319,7 @@ async def register_forever(engine: KVEngine, conn: RedisConnection) -> None:
     """Record the model this node serves (``tiers.purge.register_model``) once it is known, then
     every ``REGISTER_EVERY_S`` (a model that changed, a Redis that lost the record)."""
     while True:
-        if not await engine.ensure_ready() or engine.target is None:
+        if not await engine.watcher.ensure_ready() or engine.target is None:
             await asyncio.sleep(2)
             continue
         await asyncio.sleep(REGISTER_EVERY_S if await _register(conn, engine.target.namespace) else 10.0)

@@ -89,7 +89,7 @@ async def run_sidecar(settings: Settings, *, advertise: bool = False) -> AsyncIt
     try:
         # Not ready (no llama-server, a test's broken one) is the test's own business: it goes on.
         with contextlib.suppress(Exception):
-            await asyncio.wait_for(app[ENGINE].ensure_ready(), READY_WAIT_S)
+            await asyncio.wait_for(app[ENGINE].watcher.ensure_ready(), READY_WAIT_S)  # no request's wait
         yield Sidecar(f"http://127.0.0.1:{port}", app, settings)
     finally:
         try:

@@ -96,6 +96,19 @@ async def test_an_idle_sidecar_stays_sure_of_its_llama_server(node: tuple[LlamaS
     assert not watcher.confirmed
 
 
+async def test_only_requests_count_as_waiting_for_an_identity_check(redis_srv: RedisProc, tmp_path: Path) -> None:
+    # The sidecar's own background work (the model record, following purges) waits for
+    # llama-server at start-up too; kvtier_server_checks_seconds is what requests waited (bench
+    # neverworse read 15 s of start-up as requests' waits).
+    with llama_server(tmp_path, "-np", "1") as llama:
+        async with run_sidecar(settings_for(llama, redis_srv.url)) as sc:
+            await asyncio.sleep(0.5)  # the background tasks are past their first check
+            assert sc.engine.watcher.confirmed
+            assert sc.metric("kvtier_server_checks_seconds_count") == 0
+            assert (await post(sc.url + "/v1/chat/completions", chat([], "What does shelf 2 hold?"))).status == 200
+            assert sc.metric("kvtier_server_checks_seconds_count") == 0  # confirmed: nothing waited
+
+
 async def test_the_next_turn_at_once_keeps_its_own_slot(node: tuple[LlamaServer, Sidecar]) -> None:
     _, sc = node
     await settle(sc)
