@@ -226,9 +226,9 @@ class RedisTier:
         return sum(ok), sum(n for n, good in zip(sizes, ok) if good), len(ok) - sum(ok)
 
     async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
-        """EXISTS of each key, in one script call (``EXISTS_MANY``), or pipelined where scripts are
-        refused (ACL, a proxy; counted once, then not tried again) and in cluster mode; an
-        unreachable server answers "absent" for every key."""
+        """EXISTS of each key, in one script call (``EXISTS_MANY``), else pipelined: in cluster mode,
+        after the script failed (counted), and for good once it was refused (an ACL without
+        EVALSHA, a proxy without it); an unreachable server answers "absent" for every key."""
         if not keys:
             return []
         if (script := self._exists_script) is not None and len(keys) > 1:
@@ -236,9 +236,10 @@ class RedisTier:
                 results = await self.connection.run("exists", lambda: script(keys=list(keys)))
             except TierUnavailable:
                 return [False] * len(keys)
-            except KVTierError as exc:
-                self._exists_script = None
-                log.info("redis %s refused the presence script (%s); EXISTS per key from now on", self.url, exc)
+            except KVTierError as exc:  # pipelined below; refused for good: not tried again
+                if isinstance(exc.__cause__, rex.NoPermissionError) or _unknown_command(exc.__cause__):
+                    self._exists_script = None
+                    log.info("redis %s refused the presence script (%s); EXISTS per key from now on", self.url, exc)
             else:
                 return [r == 1 for r in results]
 
