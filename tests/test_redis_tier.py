@@ -329,6 +329,7 @@ async def test_presence_of_many_keys_is_one_script_call(redis_srv: RedisProc) ->
     tier = RedisTier(redis_srv.url)
     keys = [f"many:{i}".encode() for i in range(255)]
     await tier.put_many({k: b"v" for k in keys[3:250:7]})
+    await tier.contains_many(keys[:2])  # the script loaded (a first call on a server loads it)
     r.config_resetstat()
     assert await tier.contains_many(keys) == [3 <= i < 250 and (i - 3) % 7 == 0 for i in range(255)]
     stats = r.info("commandstats")
@@ -337,6 +338,20 @@ async def test_presence_of_many_keys_is_one_script_call(redis_srv: RedisProc) ->
     assert await tier.contains_many(keys[:4]) == [False, False, False, True]
     assert tier.stats().errors == 0
     await tier.aclose()
+
+
+async def test_presence_script_runs_on_a_full_server() -> None:
+    # A Redis at maxmemory with noeviction refuses writes; the script only reads (no "#!lua" line,
+    # so it is checked per command, as a Redis before 7 runs it) and still answers, error-free.
+    with redis_server("--maxmemory-policy", "noeviction") as srv:
+        r = raw(srv)
+        tier = RedisTier(srv.url)
+        await tier.put_many({b"held": os.urandom(1 << 20)})
+        r.config_set("maxmemory", 1 << 19)
+        assert await tier.put_many({b"more": b"x"}) == 0  # full
+        assert await tier.contains_many([b"held", b"more", b"none"]) == [True, False, False]
+        assert tier.stats().errors == 1  # the refused write alone: the script ran, no fallback
+        await tier.aclose()
 
 
 async def test_presence_falls_back_to_exists_where_scripts_are_refused() -> None:
