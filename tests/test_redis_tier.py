@@ -340,9 +340,9 @@ async def test_presence_of_many_keys_is_one_script_call(redis_srv: RedisProc) ->
     await tier.aclose()
 
 
-async def test_presence_script_runs_on_a_full_server() -> None:
-    # A Redis at maxmemory with noeviction refuses writes; the script only reads (no "#!lua" line,
-    # so it is checked per command, as a Redis before 7 runs it) and still answers, error-free.
+async def test_presence_script_runs_on_a_full_server_and_during_a_write_pause() -> None:
+    # A Redis at maxmemory with noeviction refuses writes, and a failover pauses them (CLIENT PAUSE
+    # WRITE, which holds back scripts not flagged no-writes): a lookup still answers at once.
     with redis_server("--maxmemory-policy", "noeviction") as srv:
         r = raw(srv)
         tier = RedisTier(srv.url)
@@ -350,6 +350,11 @@ async def test_presence_script_runs_on_a_full_server() -> None:
         r.config_set("maxmemory", 1 << 19)
         assert await tier.put_many({b"more": b"x"}) == 0  # full
         assert await tier.contains_many([b"held", b"more", b"none"]) == [True, False, False]
+        r.client_pause(60_000, all=False)
+        try:
+            assert await asyncio.wait_for(tier.contains_many([b"none", b"held"]), 2.0) == [False, True]
+        finally:
+            r.client_unpause()
         assert tier.stats().errors == 1  # the refused write alone: the script ran, no fallback
         await tier.aclose()
 

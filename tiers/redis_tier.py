@@ -31,8 +31,11 @@ log = logging.getLogger("kvtier.redis")
 PUT_PIPELINE_BYTES = 4 << 20
 # Which of many keys exist, as one command with one array reply. A redis-py pipeline of EXISTS
 # costs ~10 us of Python per key: 2.8 ms for the 255 candidate tails of a lookup here, 0.54 ms as
-# this script (0.24 against 0.19 ms for 8 keys). Not in cluster mode, where keys span slots.
-EXISTS_MANY = "local out = {} for i = 1, #KEYS do out[i] = redis.call('EXISTS', KEYS[i]) end return out"
+# this script (0.24 against 0.19 ms for 8 keys). Not in cluster mode, where keys span slots. Flagged
+# no-writes (Redis 7+): a script without flags waits out a CLIENT PAUSE WRITE (a failover) where
+# EXISTS does not, and a full server refuses it; a server before 7 cannot compile it (pipelined then).
+EXISTS_MANY = ("#!lua flags=no-writes\n"
+               "local out = {} for i = 1, #KEYS do out[i] = redis.call('EXISTS', KEYS[i]) end return out")
 
 
 class RedisTier:
@@ -227,8 +230,8 @@ class RedisTier:
 
     async def contains_many(self, keys: Sequence[bytes]) -> list[bool]:
         """EXISTS of each key, in one script call (``EXISTS_MANY``), else pipelined: in cluster mode,
-        after the script failed (counted), and for good once it was refused (an ACL without
-        EVALSHA, a proxy without it); an unreachable server answers "absent" for every key."""
+        after the script failed (counted), and for good once it was refused (``_script_refused``);
+        an unreachable server answers "absent" for every key."""
         if not keys:
             return []
         if (script := self._exists_script) is not None and len(keys) > 1:
@@ -237,7 +240,7 @@ class RedisTier:
             except TierUnavailable:
                 return [False] * len(keys)
             except KVTierError as exc:  # pipelined below; refused for good: not tried again
-                if isinstance(exc.__cause__, rex.NoPermissionError) or _unknown_command(exc.__cause__):
+                if _script_refused(exc.__cause__):
                     self._exists_script = None
                     log.info("redis %s refused the presence script (%s); EXISTS per key from now on", self.url, exc)
             else:
@@ -288,6 +291,13 @@ class RedisTier:
 
 def _unknown_command(result: Any) -> bool:
     return isinstance(result, rex.ResponseError) and "unknown command" in str(result).lower()
+
+
+def _script_refused(error: BaseException | None) -> bool:
+    """The server will not run the presence script: an ACL, a proxy without scripts, or a Redis
+    before 7 (which cannot compile its flags line)."""
+    return (isinstance(error, rex.NoPermissionError) or _unknown_command(error)
+            or (isinstance(error, rex.ResponseError) and "error compiling script" in str(error).lower()))
 
 
 def _batches(items: Mapping[bytes, Buffer], max_bytes: int) -> list[list[tuple[bytes, Buffer]]]:
