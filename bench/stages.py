@@ -8,8 +8,10 @@ costs a few microseconds, so a run with the hook measures the stages, not the ov
 
 Stamps (a follow-up has no ``prompt`` or ``prepare``): ``handler`` (aiohttp handed the request
 over), ``parse``, ``follow_up``, ``prompt``, ``prepare``, ``sent`` (the request written to
-llama-server), ``head`` (llama-server's first bytes back), ``answer`` (relayed into a response),
-``save`` (handed to the aftercare), ``written`` (aiohttp wrote the answer).
+llama-server), ``head`` (llama-server's first bytes back), ``read`` (those bytes parsed by
+``Upstream``), ``body`` (the answer's last bytes parsed: ``read`` when it came in one piece; the
+time between the two is llama-server's, which a client straight to it waits for too), ``answer`` (relayed into a response), ``save``
+(handed to the aftercare), ``written`` (aiohttp wrote the answer).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ STAGES = [  # (label, from stamp, to stamp); "in" is the request's bytes reachin
     ("prompt tokens", "follow_up", "prompt"),
     ("route, slot, restore decision", "prompt", "prepare"),
     ("request written to llama-server", "prepare|follow_up", "sent"),
-    ("answer's head in -> relayed", "head", "answer"),
+    ("answer's first bytes read (Upstream)", "head", "read"),
+    ("waiting for the answer's rest", "read", "body"),
+    ("answer's last bytes in -> relayed", "body", "answer"),
     ("save handed on", "answer", "save"),
     ("aiohttp: answer written", "save", "written"),
     ("before forwarding (total)", "in", "sent"),
@@ -109,6 +113,9 @@ def _install(out: str) -> None:
     def head(self: Any, data: bytes) -> None:
         stamp("head")
         received(self, data)
+        stamp("read")
+        if self.response is not None and self.response.complete:
+            stamp("body")
 
     conn.start, conn.data_received = sent, head  # type: ignore[method-assign]
 
