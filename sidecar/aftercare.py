@@ -30,17 +30,32 @@ from .watcher import ServerWatcher
 
 log = logging.getLogger("kvtier.engine")
 
-# Between delivering an answer and saving its slot. A request that waits for the slot ends the
-# pause: one that repeats or continues the answer skips the save; any other (every slot busy) has
-# the save sent now and takes the slot at its hand-over (below), 30 ms sooner than after the pause.
-# One that arrives after the pause waits for the save (or its hand-over). A client's next request
-# at once takes well under 10 ms on a quiet 2-core host but often more with a CPU load beside it:
-# at 10 ms, 3 of 6 such repeats missed the pause (91-181 ms against 52-58 when caught); at 30 ms,
-# 8 of 8 were caught (median 54.5 ms).
+# Between delivering an answer and saving its slot, at least. A request that waits for the slot
+# ends the pause: one that repeats or continues the answer skips the save; any other (every slot
+# busy) has the save sent now and takes the slot at its hand-over (below), 30 ms sooner than after
+# the pause. One that arrives after the pause waits for the save (or its hand-over). A client's
+# next request at once takes well under 10 ms on a quiet 2-core host but often more with a CPU load
+# beside it: at 10 ms, 3 of 6 such repeats missed the pause (91-181 ms against 52-58 when caught);
+# at 30 ms, 8 of 8 were caught (median 54.5 ms).
 SAVE_DELAY_S = 0.03
+# A save that will stop llama-server's other slots for longer waits longer (``save_pause``): up
+# to this share of llama-server's expected write of the slot, and at most SAVE_PAUSE_MAX_S. A next
+# turn of the conversation in that window (an agent's tool call of a few hundred ms) skips the save
+# and its stall, and is served at once; one after it waits for the save as before, never longer.
+# What it costs: the state reaches the tiers that much later, a fraction of a save that takes
+# several times llama-server's write until Redis holds it.
+SAVE_PAUSE_SHARE = 0.5
+SAVE_PAUSE_MAX_S = 0.5
 # How long a save's request is in flight before its slot may go to a request that waits for it
 # (``Aftercare._hand_over_when_wanted``): by then llama-server has queued the save.
 HANDOVER_AFTER_S = 0.05
+
+
+def save_pause(write_s: float | None) -> float:
+    """Seconds to hold a save back after its answer, when llama-server is expected to take
+    ``write_s`` writing the slot (None: not known yet): ``SAVE_DELAY_S`` at least."""
+    scaled = min(SAVE_PAUSE_MAX_S, SAVE_PAUSE_SHARE * write_s) if write_s else 0.0
+    return max(SAVE_DELAY_S, scaled)
 
 
 class Aftercare:
@@ -163,8 +178,8 @@ class Aftercare:
         table = lease.table
         # Let the answer's last bytes reach the client first: on a small host the save (llama-server
         # writing the slot file, kvtier splitting it) would compete for the CPU with its delivery.
-        # A request that waits for this slot ends the pause (``SAVE_DELAY_S``).
-        await table.until_wanted(lease.slot, SAVE_DELAY_S)
+        # A request that waits for this slot ends the pause (``save_pause``).
+        await table.until_wanted(lease.slot, save_pause(self.saver.expected_write(table.held_about(lease.slot))))
         # A request waiting for the slot takes it, and is sent on, before the answer is read (the
         # yield): reading it is off that request's path.
         if skipped := self._skip(plan, ok, free, known=self.watcher.confirmed):

@@ -3,6 +3,7 @@
 recompute_s = tokens / prefill_rate
 restore_s   = overhead + bytes / fetch_bw (per source tier) + bytes / restore_bw + queue_wait
 readable_s  = tokens * readable_per_token  (an answer's save, until Redis holds it)
+write_s     = bytes * slot_write_per_byte  (llama-server writing a slot's file: its other slots wait)
 
 The prefill rate is also learned apart by how many other slots were computing when a prompt
 began (llama-server batches them together): on one CPU thread three 515-token prompts at once ran
@@ -66,6 +67,7 @@ class CostModel:
         self.fetch_bps: dict[str, Ewma] = {}
         self.restore_bps = Ewma(restore_gbps * 1e9)
         self.readable_s_per_token = Ewma(0.0)  # no prior: unknown until this node's first save lands
+        self.slot_write_s_per_byte = Ewma(0.0)  # no prior: unknown until llama-server has saved a slot
         self.queue_wait_s = [Ewma(0.0) for _ in range(self.SHARING_LEVELS)]  # a restore's wait, by level
         self._queue_wait_at = [0.0] * self.SHARING_LEVELS  # when each level's wait was last measured
         self._clock = clock
@@ -140,6 +142,19 @@ class CostModel:
         with self._lock:
             per_token = self.readable_s_per_token
             return per_token.value * tokens if per_token.samples else None
+
+    def observe_slot_write(self, nbytes: int, seconds: float) -> None:
+        """llama-server wrote a slot's file of ``nbytes`` in ``seconds`` (its own ``save_ms``)."""
+        if nbytes >= 1 << 20 and seconds > 0:  # a small file's time is fixed costs
+            with self._lock:
+                self.slot_write_s_per_byte.update(seconds / nbytes)
+
+    def expected_slot_write(self, nbytes: int) -> float | None:
+        """Seconds llama-server should take to write a slot's file of ``nbytes``; None before it
+        has written one of 1 MiB or more."""
+        with self._lock:
+            rate = self.slot_write_s_per_byte
+            return rate.value * nbytes if rate.samples else None
 
     def could_restore(self, gain: int, n_tokens: int, bytes_per_token: int) -> bool:
         """Whether any lookup could lead to a restore when it brings at most ``gain`` tokens more

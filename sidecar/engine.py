@@ -65,7 +65,8 @@ class KVEngine:
         self.metrics = metrics
         self.cost = CostModel(settings.prefill_tps_prior, settings.restore_gbps_prior,
                               min_tokens=settings.restore_min_tokens)
-        self.files = SlotFiles(client, Path(settings.slot_dir or "."), settings.keep_restore_files)
+        self.files = SlotFiles(client, Path(settings.slot_dir or "."), settings.keep_restore_files,
+                               observe_write=self.cost.observe_slot_write)
         self.prompts = PromptTokens(client, metrics, in_process=settings.local_tokenizer != "off")
         self.watcher = ServerWatcher(settings, client, self.files, self.prompts, witness)
         self.sessions = sessions

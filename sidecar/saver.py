@@ -47,6 +47,12 @@ class Saver:
         self._warned_unsplittable = False
         self._storing: dict[int, asyncio.Lock] = {}  # per slot: its stores in order
 
+    def expected_write(self, n_tokens: int) -> float | None:
+        """Seconds llama-server should take to write a slot of ``n_tokens`` (the stall of its
+        other slots a save causes); None before it has saved one this node can learn from."""
+        nbytes = self.files.bytes_about(n_tokens)
+        return self.cost.expected_slot_write(nbytes) if nbytes else None
+
     async def readable(self, answered: float, n_tokens: int) -> None:
         """Wait until Redis holds what was stored so far, a save of ``n_tokens``; observe the time
         since ``answered`` (``perf_counter()`` at the end of the answer)."""

@@ -210,13 +210,17 @@ class SlotFiles:
             files kept as spares for a restore file or a save to be written over (bytes, both
             together); at most half the directory's free space at start, so that a save of a state
             as large as a kept one still fits beside it.
+        observe_write: told the bytes and seconds of each file llama-server saves (its own
+            ``save_ms``): the stall a save causes its other slots (``CostModel.observe_slot_write``).
 
     Kept files yield to saves: a save or a restore file that fails while files are kept removes
     them and tries once more (llama-server tells no ENOSPC apart from other failures).
     """
 
-    def __init__(self, client: LlamaServerClient, slot_dir: Path, keep_bytes: int):
+    def __init__(self, client: LlamaServerClient, slot_dir: Path, keep_bytes: int,
+                 observe_write: Callable[[int, float], None] | None = None):
         self.client = client
+        self.observe_write = observe_write
         self.slot_dir = slot_dir
         free = _free_bytes(slot_dir)
         self.keep_bytes = keep_bytes if free is None else min(keep_bytes, int(free * KEEP_SHARE_OF_FREE))
@@ -224,6 +228,10 @@ class SlotFiles:
         self._locks: dict[int, asyncio.Lock] = {}
         self._per_token = 0.0  # bytes per token of the last save: about what a save of n tokens writes
         self.spares = SpareFiles(slot_dir)
+
+    def bytes_about(self, n_tokens: int) -> int:
+        """About the bytes a save of ``n_tokens`` writes (0 before the first save)."""
+        return int(n_tokens * self._per_token)
 
     def _restore_path(self, slot: int) -> Path:
         return self.slot_dir / f"{FILE_PREFIX}restore-{slot}.bin"
@@ -247,14 +255,14 @@ class SlotFiles:
         name = f"{FILE_PREFIX}{purpose}-{slot}-{uuid.uuid4().hex[:12]}.bin"
         path = self.slot_dir / name
         try:
-            await self._lay_out(slot, path, int(expect_tokens * self._per_token))
+            await self._lay_out(slot, path, self.bytes_about(expect_tokens))
             try:
-                await self.client.save_slot(slot, name)
+                action = await self.client.save_slot(slot, name)
             except Exception as exc:
                 if not await self._free_kept(f"saving slot {slot} failed ({exc})"):
                     raise
                 path.unlink(missing_ok=True)
-                await self.client.save_slot(slot, name)
+                action = await self.client.save_slot(slot, name)
             try:
                 data = await in_thread(_map, path)
             except FileNotFoundError:
@@ -266,6 +274,8 @@ class SlotFiles:
             nbytes = len(data) if isinstance(data, bytes) else data.nbytes
             if state.n_tokens:
                 self._per_token = nbytes / state.n_tokens
+            if self.observe_write is not None and action.ms > 0:
+                self.observe_write(nbytes, action.ms / 1000)
             if self._room(nbytes):
                 self.spares.keep(path, data, None if namespace is None else (namespace, state.tokens.tokens.copy()))
             return state

@@ -48,6 +48,11 @@ class Sidecar:
         cost.prefill_tps = _Pinned(tokens_per_s)
         cost.prefill_shared = [_Pinned(tokens_per_s) for _ in cost.prefill_shared]
 
+    def pin_slot_write(self, seconds_per_byte: float) -> None:
+        """Have the cost model expect llama-server to write a slot's file at this rate (a large
+        model's slot on a small test model)."""
+        self.engine.cost.slot_write_s_per_byte = _Pinned(seconds_per_byte)
+
     def decisions(self) -> dict[str, float]:
         """The cost model's decisions so far, by outcome (for an assertion's message)."""
         return {d: self.metric("kvtier_cost_decisions_total", decision=d) for d in ("restore", "recompute", "spared")}

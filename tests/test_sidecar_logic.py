@@ -12,6 +12,7 @@ import pytest
 
 from integrations.kvflow import TailRecord
 from integrations.llama_server import Timings, stream_finished
+from sidecar import aftercare
 from sidecar import slots as slots_mod
 from sidecar.cli_client import summarize_metrics
 from sidecar.config import Settings, load_settings
@@ -380,6 +381,19 @@ def test_the_prefill_rate_is_learned_by_how_many_slots_compute_beside_it() -> No
     assert model.prefill_tps.value == 300 * 0.7 + 100 * 0.3  # the rate over all prompts (the planner's)
     model.observe_prefill(8, 1000, sharing=1)  # too short to teach anything
     assert model.prefill_rate(1) == 300
+
+
+def test_a_save_is_held_back_by_half_of_llama_servers_expected_write_within_bounds() -> None:
+    cost = CostModel()
+    assert cost.expected_slot_write(512 << 20) is None  # nothing learned yet
+    cost.observe_slot_write(512 << 10, 5.0)  # under 1 MiB: its fixed costs would teach a wrong rate
+    assert cost.expected_slot_write(512 << 20) is None
+    cost.observe_slot_write(512 << 20, 0.4)  # 512 MiB in 0.4 s (an 8B model's 4,000-token slot)
+    assert cost.expected_slot_write(1 << 30) == pytest.approx(0.8)
+    assert aftercare.save_pause(None) == aftercare.SAVE_DELAY_S  # not known: the short pause
+    assert aftercare.save_pause(0.01) == aftercare.SAVE_DELAY_S  # a fast write: never under it
+    assert aftercare.save_pause(0.4) == pytest.approx(0.2)  # half the stall the save would cause
+    assert aftercare.save_pause(5.0) == aftercare.SAVE_PAUSE_MAX_S  # a long one: bounded
 
 
 def test_settings_precedence_and_redaction(tmp_path: Path) -> None:

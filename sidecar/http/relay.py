@@ -142,7 +142,7 @@ async def _whole(answer: Answer, out: Relay, headers: Mapping[str, str], capture
                          headers=CIMultiDict(end_to_end(answer.headers.items())))
     whole.headers.update(headers)
     # Sent by aiohttp once the handler returns: after the caller has registered the slot save
-    # (which itself waits SAVE_DELAY_S), so that a client that has its answer never sees the
+    # (which itself waits ``save_pause``), so that a client that has its answer never sees the
     # sidecar idle while that save is still to come.
     return whole
 
