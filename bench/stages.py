@@ -10,8 +10,8 @@ Stamps (a follow-up has no ``prompt`` or ``prepare``): ``handler`` (aiohttp hand
 over), ``parse``, ``follow_up``, ``prompt``, ``prepare``, ``sent`` (the request written to
 llama-server), ``head`` (llama-server's first bytes back), ``read`` (those bytes parsed by
 ``Upstream``), ``body`` (the answer's last bytes parsed: ``read`` when it came in one piece; the
-time between the two is llama-server's, which a client straight to it waits for too), ``answer`` (relayed into a response), ``save``
-(handed to the aftercare), ``written`` (aiohttp wrote the answer).
+time between the two is llama-server's, which a client straight to it waits for too), ``answer``
+(relayed into a response), ``save`` (handed to the aftercare), ``written`` (aiohttp wrote the answer).
 """
 
 from __future__ import annotations

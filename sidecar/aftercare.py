@@ -32,8 +32,8 @@ log = logging.getLogger("kvtier.engine")
 
 # Between delivering an answer and saving its slot, at least. A request that waits for the slot
 # ends the pause: one that repeats or continues the answer skips the save; any other (every slot
-# busy) has the save sent now and takes the slot at its hand-over (below), 30 ms sooner than after
-# the pause. One that arrives after the pause waits for the save (or its hand-over). A client's
+# busy) has the save sent now and takes the slot at its hand-over (below), sooner than after the
+# pause. One that arrives after the pause waits for the save (or its hand-over). A client's
 # next request at once takes well under 10 ms on a quiet 2-core host but often more with a CPU load
 # beside it: at 10 ms, 3 of 6 such repeats missed the pause (91-181 ms against 52-58 when caught);
 # at 30 ms, 8 of 8 were caught (median 54.5 ms).
