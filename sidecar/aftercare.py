@@ -178,8 +178,8 @@ class Aftercare:
         table = lease.table
         # Let the answer's last bytes reach the client first: on a small host the save (llama-server
         # writing the slot file, kvtier splitting it) would compete for the CPU with its delivery.
-        # A request that waits for this slot ends the pause (``save_pause``).
-        await table.until_wanted(lease.slot, save_pause(self.saver.expected_write(table.held_about(lease.slot))))
+        # A request that waits for this slot ends the pause.
+        await table.until_wanted(lease.slot, self._pause(plan, ok))
         # A request waiting for the slot takes it, and is sent on, before the answer is read (the
         # yield): reading it is off that request's path.
         if skipped := self._skip(plan, ok, free, known=self.watcher.confirmed):
@@ -226,6 +226,15 @@ class Aftercare:
         if ok:  # a cut answer's slot may hold part of the prompt only
             self.prompts.check(plan.prompt, state.tokens.tokens)
         return True
+
+    def _pause(self, plan: RequestPlan, ok: bool) -> float:
+        """``save_pause`` before this save. Only a save that a next turn may skip waits longer
+        before a slow write: the others (a session's, a cut answer's, a follow-up's, which no
+        waiter can match) would only reach the tiers later."""
+        if not ok or plan.session_id is not None or plan.follow_up:
+            return save_pause(None)
+        lease = plan.lease
+        return save_pause(self.saver.expected_write(lease.table.held_about(lease.slot)))
 
     def _skip(self, plan: RequestPlan, ok: bool, free: Callable[[], None], *, known: bool) -> bool:
         """Skip the save when the conversation's next request (or the same prompt again) already

@@ -141,25 +141,30 @@ async def test_a_request_waiting_for_a_busy_slot_ends_the_pause_before_its_save(
 
 
 async def test_a_next_turn_within_a_longer_pause_before_a_slow_save_skips_it(
-        redis_srv: RedisProc, tmp_path: Path) -> None:
+        redis_srv: RedisProc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # llama-server's write of a slot stops its other slots for as long as it takes: kvtier holds
-    # such a save back for half the write it expects (``aftercare.save_pause``, at most 0.5 s), and
-    # a next turn of the conversation within that pause skips the save and its stall (the share is
-    # tested in tests/test_sidecar_logic.py). Before the first write is known, and after a fast one,
-    # the pause stays short: a turn 0.2 s later finds the save made.
+    # such a save back for half the write it expects (``aftercare.save_pause``; its share and bounds
+    # are tested in tests/test_sidecar_logic.py), and a next turn of the conversation within that
+    # pause skips the save and its stall. Before the first write is known, and after a fast one,
+    # the pause stays short: a turn 0.2 s later finds the save made. A save that no next turn can
+    # skip keeps the short pause too: here the repeats' own, sent on as follow-ups (untokenized:
+    # no waiter can match them), against a pause of 5 s for the others (the bound raised).
+    monkeypatch.setattr(aftercare, "SAVE_PAUSE_MAX_S", 5.0)
     async with node(tmp_path, redis_srv.url, "a", ("-np", "1")) as (_, a):
-        for start, expected_write_s, skipped in (("", None, 0), ("Shelves. ", 2.0, 1)):  # None: as written
+        for start, expected_write_s, skipped in (("", None, 0), ("Shelves. ", 20.0, 1)):  # None: as written
             # A prompt with another start each time: a text that continues the slot's last one
             # would go to it as a follow-up, untokenized, and no next turn waits for that one's save.
             body = {"prompt": f"{start}{SYSTEM}\nQuestion: What does shelf 7 hold?\nAnswer:", "n_predict": 4,
                     "temperature": 0}
-            if expected_write_s is not None:  # as a large slot's write: the pause at its 0.5 s bound
+            if expected_write_s is not None:  # as a large slot's write: the pause at its bound
                 nbytes = a.engine.files.bytes_about(a.engine.slots.held_about(0))
                 a.pin_slot_write(expected_write_s / nbytes)
             assert (await post(a.url + "/completion", body)).status == 200
             await asyncio.sleep(0.2)
             again = await post(a.url + "/completion", body)
             assert again.status == 200 and again.body["timings"]["prompt_n"] <= 2, again.body["timings"]
+            t0 = asyncio.get_running_loop().time()
             await a.engine.drain(30)
+            assert asyncio.get_running_loop().time() - t0 < 4.0  # the follow-up's save: no long pause
             assert a.metric("kvtier_saves_skipped_total") == skipped
         assert a.metric("kvtier_save_seconds_count") == 3  # all but the one skipped
