@@ -69,6 +69,10 @@ class RedisTier:
         self._stats = StatsCounter(name)
         self._use_getex = True
         self._exists_script = None if connection.cluster else connection.client.register_script(EXISTS_MANY)
+        # Loaded with SCRIPT LOAD before its first call, and again after a call failed (a restarted
+        # server has lost it): during a write pause (CLIENT PAUSE WRITE, a failover) the server
+        # holds back an EVALSHA of a script it does not hold, since it cannot tell whether it writes.
+        self._script_loaded = False
 
     def __repr__(self) -> str:
         c = self.connection
@@ -236,10 +240,14 @@ class RedisTier:
             return []
         if (script := self._exists_script) is not None and len(keys) > 1:
             try:
+                if not self._script_loaded:
+                    await self.connection.run("script load", lambda: self.connection.client.script_load(EXISTS_MANY))
+                    self._script_loaded = True
                 results = await self.connection.run("exists", lambda: script(keys=list(keys)))
             except TierUnavailable:
                 return [False] * len(keys)
             except KVTierError as exc:  # pipelined below; refused for good: not tried again
+                self._script_loaded = False
                 if _script_refused(exc.__cause__):
                     self._exists_script = None
                     log.info("redis %s refused the presence script (%s); EXISTS per key from now on", self.url, exc)
