@@ -38,6 +38,28 @@ EXISTS_MANY = ("#!lua flags=no-writes\n"
                "local out = {} for i = 1, #KEYS do out[i] = redis.call('EXISTS', KEYS[i]) end return out")
 
 
+class _PresenceScript:
+    """``EXISTS_MANY`` on one server, loaded with SCRIPT LOAD before its first call and again after
+    a call failed (a restarted server has lost it): during a write pause (CLIENT PAUSE WRITE, a
+    failover) the server holds back an EVALSHA of a script it does not hold, since it cannot tell
+    whether it writes."""
+
+    def __init__(self, connection: RedisConnection):
+        self.connection = connection
+        self.script = connection.client.register_script(EXISTS_MANY)
+        self.loaded = False
+
+    async def __call__(self, keys: Sequence[bytes]) -> list[Any]:
+        try:
+            if not self.loaded:
+                await self.connection.run("script load", lambda: self.connection.client.script_load(EXISTS_MANY))
+                self.loaded = True
+            return list(await self.connection.run("exists", lambda: self.script(keys=list(keys))))
+        except KVTierError:
+            self.loaded = False
+            raise
+
+
 class RedisTier:
     """A tier in Redis/Valkey: shared by every node, written behind the request.
 
@@ -68,11 +90,7 @@ class RedisTier:
         self.refresh_on_hit = bool(refresh_on_hit)
         self._stats = StatsCounter(name)
         self._use_getex = True
-        self._exists_script = None if connection.cluster else connection.client.register_script(EXISTS_MANY)
-        # Loaded with SCRIPT LOAD before its first call, and again after a call failed (a restarted
-        # server has lost it): during a write pause (CLIENT PAUSE WRITE, a failover) the server
-        # holds back an EVALSHA of a script it does not hold, since it cannot tell whether it writes.
-        self._script_loaded = False
+        self._exists_script = None if connection.cluster else _PresenceScript(connection)
 
     def __repr__(self) -> str:
         c = self.connection
@@ -240,14 +258,10 @@ class RedisTier:
             return []
         if (script := self._exists_script) is not None and len(keys) > 1:
             try:
-                if not self._script_loaded:
-                    await self.connection.run("script load", lambda: self.connection.client.script_load(EXISTS_MANY))
-                    self._script_loaded = True
-                results = await self.connection.run("exists", lambda: script(keys=list(keys)))
+                results = await script(keys)
             except TierUnavailable:
                 return [False] * len(keys)
             except KVTierError as exc:  # pipelined below; refused for good: not tried again
-                self._script_loaded = False
                 if _script_refused(exc.__cause__):
                     self._exists_script = None
                     log.info("redis %s refused the presence script (%s); EXISTS per key from now on", self.url, exc)
