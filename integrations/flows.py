@@ -31,20 +31,17 @@ from tiers.threads import in_thread
 
 from .chunkassemble import state_pieces
 from .kvflow import (
-    PendingSave,
     PrefixFetched,
     PrefixFound,
     Publisher,
     StoredState,
     TailRecord,
-    Waited,
     content_mismatch,
     find_prefix,
-    pending_save,
     store_state,
-    wait_for_pending,
 )
 from .memkind import LookupShape
+from .pendingflow import PendingSave, Waited, pending_save, wait_for_pending
 from .statefile import SeqState
 
 
@@ -136,7 +133,7 @@ def tail_after_store(stored: StoredState, before: TailRecord | None) -> TailReco
 
 
 class SaveMarks:
-    """One node's pending-save marks (``kvflow.pending_marks``): other nodes' next turns of a
+    """One node's pending-save marks (``pendingflow.pending_marks``): other nodes' next turns of a
     prompt whose save is marked may wait for it.
 
     Args:

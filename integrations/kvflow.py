@@ -14,18 +14,16 @@ how they read and write a sequence state; what they do with one is the same, and
   stored chunk (or tail), say a system prompt that ends mid-chunk, restores those cells too, to
   within ``REF_STEP`` tokens; a reference is checked against the prompt, so a forged one can at
   most miss;
-- ``save_session``: a state as a named session (chunks, tail, manifest), announced;
-- pending saves: a node that has just answered marks the prefixes its save will store
-  (``pending_marks``: every full chunk of the prompt, and its partial end to within ``REF_STEP``
-  tokens); a lookup that finds less than such a marker names (``find_pending``) may wait for it.
+- ``save_session``: a state as a named session (chunks, tail, manifest), announced.
+
+Pending saves (the marks a save sets before it runs, and the waits for them) are in
+``integrations.pendingflow``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -37,12 +35,8 @@ from tiers.keys import (
     Namespace,
     common_prefix,
     events_channel,
-    pending_key,
     prefix_chain,
-    tail_hash_after,
-    tail_hashes,
 )
-from tiers.pending import PendingMark, PendingSaves
 from tiers.sessions import Manifest, SessionError, SessionStore
 from tiers.store import Announce, FetchResult, LookupResult, StoreResult, TailHit, TieredStore, Verified
 from tiers.threads import in_background
@@ -50,11 +44,10 @@ from tiers.threads import in_background
 from .chunks import read_chunk_header
 from .chunksplit import chunks_of, first_cells, split_state
 from .memkind import PLAIN_KV, LookupShape
-from .prefixrefs import REF_CHUNK, REF_STEP, REF_TAIL, check_ref, is_ref, prefix_refs
+from .prefixrefs import REF_CHUNK, REF_TAIL, check_ref, is_ref, prefix_refs
 from .statefile import SeqState
 
 log = logging.getLogger("kvtier.flow")
-
 
 
 class Publisher(Protocol):
@@ -98,102 +91,6 @@ class PrefixFound:
         if self.tail is not None:
             out[self.tail.tier] = out.get(self.tail.tier, 0) + self.tail.n_tokens * bytes_per_token
         return out
-
-
-@dataclass(frozen=True, slots=True)
-class PendingSave:
-    """A save in flight that will store ``n_tokens`` of a prompt (at least), under marker ``key``."""
-
-    key: bytes
-    n_tokens: int
-    mark: PendingMark
-
-
-def pending_marks(namespace: Namespace, tokens: np.ndarray) -> list[tuple[bytes, int]]:
-    """The markers (key, tokens it names) a save of a state that starts with ``tokens``, a prompt
-    just answered, sets before it runs: each full chunk, then the partial end rounded down to a
-    multiple of ``REF_STEP`` (what ``find_pending`` looks for)."""
-    C = namespace.chunk_tokens
-    chain = prefix_chain(namespace, tokens)
-    marks = [(pending_key(namespace, h), (i + 1) * C) for i, h in enumerate(chain)]
-    start = len(chain) * C
-    n = (int(tokens.size) - start) // REF_STEP * REF_STEP
-    if n:
-        parent = chain[-1] if chain else namespace.digest
-        marks.append((pending_key(namespace, tail_hash_after(parent, tokens[start: start + n])), start + n))
-    return marks
-
-
-async def find_pending(pending: PendingSaves, namespace: Namespace, tokens: np.ndarray, found: PrefixFound, *,
-                       n_ctx: int = 0) -> PendingSave | None:
-    """The save in flight that would give the most of ``tokens`` beyond ``found``, or None.
-
-    One Redis round trip: the markers of ``tokens``' full chunks after the found ones, and of its
-    partial ends after them every ``REF_STEP`` tokens.
-    """
-    C = namespace.chunk_tokens
-    limit = restorable_tokens(int(tokens.size), n_ctx)
-    chain = prefix_chain(namespace, tokens, limit // C)
-    k = found.chunks.n_chunks
-    probes = [(pending_key(namespace, chain[i]), (i + 1) * C) for i in range(k, len(chain))]
-    start = k * C
-    parent = chain[k - 1] if k else namespace.digest
-    ends = tail_hashes(parent, tokens[start: start + min(C - 1, limit - start)])
-    probes += [(pending_key(namespace, ends[n - 1]), start + n) for n in range(REF_STEP, len(ends) + 1, REF_STEP)]
-    probes = [(key, n) for key, n in probes if n > found.n_tokens]
-    marks = await pending.read([key for key, _ in probes])
-    best = None
-    for (key, n), mark in zip(probes, marks, strict=True):
-        if mark is not None and (best is None or n > best.n_tokens):
-            best = PendingSave(key, n, mark)
-    return best
-
-
-@dataclass(frozen=True, slots=True)
-class Waited:
-    """A wait for a save in flight: the save, whether it ended (False: the wait timed out), how long."""
-
-    save: PendingSave
-    ended: bool
-    seconds: float
-
-
-async def wait_for_pending(pending: PendingSaves, namespace: Namespace, tokens: np.ndarray, found: PrefixFound,
-                           have: int, limit: Callable[[PendingSave], float], *, n_ctx: int = 0) -> Waited | None:
-    """Wait for the save in flight that gives the most of ``tokens`` when it names more than
-    ``have``, for at most ``limit(save)`` seconds; None when there is none (or Redis cannot say).
-    Look ``tokens`` up again after a wait, ended or not: part of the save may be stored."""
-    try:
-        save = await find_pending(pending, namespace, tokens, found, n_ctx=n_ctx)
-    except KVTierError as exc:
-        log.debug("pending saves not read: %s", exc)
-        return None
-    if save is None or save.n_tokens <= have:
-        return None
-    bound = limit(save)
-    if bound <= 0:
-        return None
-    t0 = time.perf_counter()
-    try:
-        ended = await pending.wait_gone(save.key, bound)
-    except KVTierError as exc:
-        log.debug("pending save not followed: %s", exc)
-        ended = False
-    return Waited(save, ended, time.perf_counter() - t0)
-
-
-@contextlib.asynccontextmanager
-async def pending_save(pending: PendingSaves | None, namespace: Namespace, tokens: np.ndarray,
-                       node: str, *, ready_at: float = 0.0) -> AsyncIterator[None]:
-    """Marks for a save of a state that starts with ``tokens`` (``pending_marks``), held for the
-    block: other nodes' next turns of it may wait for it. ``ready_at``: when Redis should hold
-    it (``time.time()``; 0 for no estimate). Nothing without ``pending``."""
-    if pending is None or not tokens.size:
-        yield
-        return
-    keys = [key for key, _ in pending_marks(namespace, tokens)]
-    async with pending.held(keys, PendingMark(int(tokens.size), node, ready_at)):
-        yield
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,9 +9,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from integrations.flows import find_prefix_waiting
-from integrations.kvflow import PendingSave, PrefixFound, Waited, restorable_tokens, wait_for_pending
+from integrations.kvflow import PrefixFound, restorable_tokens
 from integrations.llama_server import Timings, prefix_reused
 from integrations.memkind import MemoryKind
+from integrations.pendingflow import PendingSave, Waited, wait_for_pending
 from tiers.base import TierRole
 from tiers.keys import Namespace, common_prefix
 from tiers.pending import PendingSaves

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 
-from integrations import flows, kvflow, prefixrefs
+from integrations import flows, kvflow, pendingflow, prefixrefs
 from integrations.chunkassemble import assemble_state
 from integrations.llama_server import Timings
 from integrations.memkind import LookupShape, MemoryKind
@@ -72,7 +72,7 @@ async def test_a_stored_state_is_found_and_fetched_whole_with_its_tail() -> None
     # One token is always left to compute: a prompt equal to the state gets the tail's first 16
     # cells (a prefix reference), not the whole tail.
     found_same = await kvflow.find_prefix(store, NS, np.asarray(lg.tokens, np.int32))
-    assert found_same.n_tokens == 128 + kvflow.REF_STEP
+    assert found_same.n_tokens == 128 + prefixrefs.REF_STEP
 
 
 async def test_a_recurrent_state_is_one_tail_found_only_by_prompts_that_continue_it() -> None:
@@ -129,7 +129,7 @@ async def test_the_shared_flows_restore_a_session_and_track_tails_and_marked_sto
 
     marks = flows.SaveMarks(Pending(), "a")  # type: ignore[arg-type]
     stored = await marks.store_state(store, NS, state_of(lg))
-    assert await marks.drain(5) and held == [len(kvflow.pending_marks(NS, np.asarray(lg.tokens, np.int32)))]
+    assert await marks.drain(5) and held == [len(pendingflow.pending_marks(NS, np.asarray(lg.tokens, np.int32)))]
     assert stored.tail is not None and flows.tail_after_store(stored, None) == stored.tail
     failed = kvflow.StoredState(None, stored.tail, tail_error=OSError("down"))
     assert flows.tail_after_store(failed, None) is None  # the tail never stored: the old one stands

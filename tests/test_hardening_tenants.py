@@ -16,7 +16,7 @@ import pytest
 import pytest_asyncio
 import redis
 
-from integrations.kvflow import pending_marks
+from integrations.pendingflow import pending_marks
 from sidecar.config import Settings
 from sidecar.slotsview import SHOWN_FIELDS
 from tests.servers import LlamaServer, RedisProc, llama_server

@@ -28,10 +28,11 @@ import redis
 from integrations.chunkassemble import assemble_state
 from integrations.chunksplit import split_state
 from integrations.fingerprint import layout_fingerprint, model_identity
-from integrations.kvflow import REF_STEP, pending_save
 from integrations.llama_cpp_cache import KVTierCache, SyncStore, restore_session, save_session
 from integrations.llama_cpp_state import image_from_llama_state, load_seq_image, read_seq_image
 from integrations.llama_server import LlamaServerClient
+from integrations.pendingflow import pending_save
+from integrations.prefixrefs import REF_STEP
 from integrations.stateparse import parse_state
 from tests.inprocess import counting_llama
 from tests.servers import RedisProc, llama_server, smollm2_path
@@ -225,7 +226,7 @@ def test_second_process_restores_what_the_first_computed(llm: llama_cpp.Llama, f
 
 
 def test_a_restore_waits_for_a_save_in_flight_on_another_node(llm: llama_cpp.Llama, flushed: RedisProc) -> None:
-    """Node A has computed a prompt and marked its save (the marks of ``kvflow.pending_save``) but
+    """Node A has computed a prompt and marked its save (the marks of ``pendingflow.pending_save``) but
     its chunks are not in Redis yet; node B's restore of that prompt waits for the save, and only
     with ``save_wait`` 0 does it give up at once."""
     prompt = tokens_of(llm, FACTS, "Which box holds the most marbles?")

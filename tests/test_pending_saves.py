@@ -22,7 +22,7 @@ import pytest
 import pytest_asyncio
 import redis
 
-from integrations.kvflow import pending_marks
+from integrations.pendingflow import pending_marks
 from launch import Node
 from sidecar.config import Settings
 from tests.servers import DEFAULT_LLAMA_ARGS, LlamaServer, RedisProc, llama_server, smollm2_path
