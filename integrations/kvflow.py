@@ -9,7 +9,7 @@ how they read and write a sequence state; what they do with one is the same, and
   the partial tail a saved state held after its last chunk, looked up and fetched with the tail
   beside the chunks;
 - ``store_state``: a saved state's new chunks (split lazily, only those some tier lacks), its
-  partial tail, the replaced tail deleted, peers told once Redis holds them;
+  partial tail, the replaced tail let go, peers told once Redis holds them;
 - prefix references (``integrations.prefixrefs``): a prompt that shares only the start of a
   stored chunk (or tail), say a system prompt that ends mid-chunk, restores those cells too, to
   within ``REF_STEP`` tokens; a reference is checked against the prompt, so a forged one can at
@@ -48,6 +48,12 @@ from .prefixrefs import REF_CHUNK, REF_TAIL, check_ref, is_ref, prefix_refs
 from .statefile import SeqState
 
 log = logging.getLogger("kvtier.flow")
+
+# How long a tail that a longer state of the same conversation replaces stays in Redis after the
+# new one is there: another node may have looked it up and still be fetching the chunks before it
+# (0.4 s for a 3,700-token SmolLM2 state here; seconds at an 8B model's size). Deleted at once, the
+# agent benchmark's next hop restored the chunks alone and recomputed the tail (134 tokens, not 45).
+REPLACED_TAIL_GRACE_S = 30.0
 
 
 class Publisher(Protocol):
@@ -333,8 +339,9 @@ async def store_state(store: TieredStore, namespace: Namespace, state: SeqState,
     The tail lets a prompt that continues this state on another node restore it whole instead of
     recomputing up to a chunk's worth. ``previous`` is the tail this context stored or restored
     before, and ``previous_tokens`` what it held then: once this state holds all of that tail and
-    more, the old tail is deleted (nothing continues it any more but this state). A failed tail is
-    reported in the result; the chunks stand.
+    more, the old tail is let go (nothing continues it any more but this state), from Redis
+    ``REPLACED_TAIL_GRACE_S`` after the new one is there. A failed tail is reported in the result;
+    the chunks stand.
     """
     C = namespace.chunk_tokens
     tokens = state.tokens.tokens
@@ -362,7 +369,7 @@ async def store_state(store: TieredStore, namespace: Namespace, state: SeqState,
         deleted = False
         if (previous is not None and previous_tokens is not None and (new is None or previous.key != new.key)
                 and tokens.size > previous.end and common_prefix(previous_tokens, tokens) >= previous.end):
-            await store.delete_everywhere([previous.key])
+            await store.delete_everywhere([previous.key], grace=REPLACED_TAIL_GRACE_S)
             deleted = True
     except Exception as exc:
         return StoredState(chunks, new, tail_stored=new is not None, tail_error=exc)

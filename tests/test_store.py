@@ -445,6 +445,37 @@ async def test_partial_tails_are_found_by_the_prompts_that_continue_them(
     assert fresh.counters.corrupt == 1 and not raw(redis_srv).exists(key_short)
 
 
+
+async def test_a_replaced_tail_stays_in_redis_until_its_successor_is_written_and_a_grace_after(
+        store: TieredStore, fresh: TieredStore, redis_srv: RedisProc) -> None:
+    """A node's next save replaces its last tail with a longer one, which reaches Redis in the
+    background. Until it has, and ``grace`` seconds after, Redis keeps the old one: another node
+    that looked it up may still be fetching the chunks before it (when it was deleted at once,
+    such a hop restored the chunks alone and recomputed the tail)."""
+    parent = chain_of(tokens(10, 3))[-1]
+    old = await store.store_tail(NS, parent, [5, 6, 7], b"o" * 100)
+    assert await store.flush(5)
+    hit = await fresh.lookup_tail(NS, parent, [5, 6, 7, 8, 9, 10])  # the other node looks it up
+    assert hit is not None and hit.key == old
+    raw(redis_srv).client_pause(10_000, all=False)  # EXISTS answers, SET waits
+    try:
+        new = await store.store_tail(NS, parent, [5, 6, 7, 8, 9], b"n" * 100)
+        await store.delete_everywhere([old], grace=2)
+        await wait_until(lambda: held_by_pause(redis_srv, "set"))
+        assert raw(redis_srv).ttl(old) > 60 and not raw(redis_srv).exists(new)
+        mine = await store.lookup_tail(NS, parent, [5, 6, 7, 8, 9, 10])  # this node: gone from its RAM
+        assert mine is not None and (mine.key, mine.tier) == (new, "memory")
+    finally:
+        raw(redis_srv).client_unpause()
+    assert await store.flush(5)
+    assert raw(redis_srv).exists(new) and 0 < raw(redis_srv).ttl(old) <= 2
+    again = await fresh.lookup_tail(NS, parent, [5, 6, 7, 8, 9, 10])  # a lookup from now on finds the new one
+    assert again is not None and again.key == new
+    got = await fresh.read_verified(hit.key, hit.hash, NS)  # the fetch after the first lookup finds the old
+    assert got is not None and bytes(got.payload) == b"o" * 100
+    # Read, it is kept as any value read is (its TTL renewed); unread, it goes after the grace.
+    assert raw(redis_srv).ttl(old) > 60
+
 # -- Redis dying ----------------------------------------------------------------------------------
 
 

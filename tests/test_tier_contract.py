@@ -109,6 +109,20 @@ async def test_put_then_get_contains_delete(tier: Tier) -> None:
     assert set(await tier.get_many(list(items))) == {key(0), key(2)}
 
 
+async def test_expire_lets_keys_go_within_the_time_given(tier: Tier) -> None:
+    await tier.put_many({key(i): value(i) for i in range(3)})
+    assert await tier.expire([key(0), key("gap"), key(1)], 1) == 2
+    # A remote tier keeps them readable until then (another node may be fetching one); the
+    # others, read on this node alone, let them go at once.
+    assert await tier.contains_many([key(0), key(1), key(2)]) == [tier.write_behind, tier.write_behind, True]
+    deadline = asyncio.get_running_loop().time() + 3
+    while any(await tier.contains_many([key(0), key(1)])):
+        assert asyncio.get_running_loop().time() < deadline, "still held past its expiry"
+        await asyncio.sleep(0.05)
+    assert await tier.contains_many([key(2)]) == [True]
+    assert await tier.expire([], 1) == 0
+
+
 async def test_overwrite_replaces_the_value(tier: Tier) -> None:
     await tier.put_many({key("k"): b"first" * 100})
     await tier.put_many({key("k"): b"second" * 10})

@@ -117,6 +117,10 @@ class MemoryTier:
                     removed += 1
         return removed
 
+    async def expire(self, keys: Sequence[bytes], seconds: float) -> int:
+        """Deleted now: only this node reads them (``Tier.expire``)."""
+        return await self.delete(keys)
+
     async def delete_prefix(self, prefix: bytes) -> int:
         """Delete every value whose key starts with ``prefix`` (a namespace's, on a purge)."""
         with self._lock:

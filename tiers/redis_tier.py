@@ -9,8 +9,9 @@ codec's blobs and are never unpickled. Manifests (``tiers.redis_manifests``) and
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any, Unpack
 
@@ -280,18 +281,12 @@ class RedisTier:
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         """Pipelined DEL (one key per command, so it works across cluster slots)."""
-        if not keys:
-            return 0
+        return await _each_key(self.connection, "delete", keys, lambda pipe, k: pipe.delete(k))
 
-        def fill(pipe: AnyPipeline) -> None:
-            for k in keys:
-                pipe.delete(k)
-
-        try:
-            results = await self.connection.pipeline("delete", fill)
-        except KVTierError:
-            return 0
-        return sum(r for r in results if isinstance(r, int))
+    async def expire(self, keys: Sequence[bytes], seconds: float) -> int:
+        """Pipelined EXPIRE: the keys stay readable ``seconds`` more, then go (``Tier.expire``)."""
+        ttl = max(1, math.ceil(seconds))
+        return await _each_key(self.connection, "expire", keys, lambda pipe, k: pipe.expire(k, ttl))
 
     def stats(self) -> TierStats:
         """Counters; ``errors`` holds every failed call of the connection (chunks, manifests and
@@ -309,6 +304,24 @@ class RedisTier:
     async def aclose(self) -> None:
         """Close the connection (the manifests and events on it stop too). Idempotent."""
         await self.connection.aclose()
+
+
+async def _each_key(connection: RedisConnection, op: str, keys: Sequence[bytes],
+                    command: Callable[[AnyPipeline, bytes], object]) -> int:
+    """``command`` for each key, one pipeline (keys of any cluster slot); how many keys it applied
+    to (0 when Redis cannot be reached: counted by the connection)."""
+    if not keys:
+        return 0
+
+    def fill(pipe: AnyPipeline) -> None:
+        for k in keys:
+            command(pipe, k)
+
+    try:
+        results = await connection.pipeline(op, fill)
+    except KVTierError:
+        return 0
+    return sum(int(r) for r in results if isinstance(r, int))
 
 
 def _unknown_command(result: Any) -> bool:

@@ -355,6 +355,10 @@ class SharedTier:
                 self._budget.removed(size)
         return removed
 
+    async def expire(self, keys: Sequence[bytes], seconds: float) -> int:
+        """Deleted now: only this node reads them (``Tier.expire``)."""
+        return await self.delete(keys)
+
     def delete_prefix_sync(self, prefix: bytes) -> int:
         """Delete every value whose key starts with ``prefix`` (a namespace's, on a purge).
 

@@ -116,14 +116,8 @@ class TieredStore:
         window_bytes: how much of a large store is cut and encoded at a time.
     """
 
-    def __init__(
-        self,
-        tiers: Sequence[Tier],
-        codec: BlobCodec,
-        *,
-        queue_limit: int = DEFAULT_QUEUE_LIMIT,
-        window_bytes: int = DEFAULT_WINDOW_BYTES,
-    ):
+    def __init__(self, tiers: Sequence[Tier], codec: BlobCodec, *, queue_limit: int = DEFAULT_QUEUE_LIMIT,
+                 window_bytes: int = DEFAULT_WINDOW_BYTES):
         if not tiers:
             raise ValueError("a TieredStore needs at least one tier")
         names = [t.name for t in tiers]
@@ -321,9 +315,14 @@ class TieredStore:
         """
         return await self._promoter.prefetch(keys)
 
-    async def delete_everywhere(self, keys: Sequence[bytes]) -> None:
-        for tier in self.tiers:
+    async def delete_everywhere(self, keys: Sequence[bytes], *, grace: float | None = None) -> None:
+        """Delete ``keys`` from every tier. ``grace``, for values that ones stored just now replace:
+        the background tiers let them go that many seconds after the writes queued before are done
+        (``WriteBehind.expire_after``), so that another node that looked one up still fetches it."""
+        for tier in self.tiers if grace is None else self._through.tiers:
             await attempt(tier.delete(keys), "delete", tier)
+        if grace is not None:
+            self._writer.expire_after(list(keys), grace)
 
     async def purge_local(self, *, prefix: bytes | None = None, keys: Sequence[bytes] = ()) -> int:
         """Delete from this node's tiers (RAM, the shared directory; not the background ones)

@@ -9,7 +9,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from .base import Prepare, Tier, Value
+from .base import Prepare, Tier, Value, attempt
 
 log = logging.getLogger("kvtier.store")
 
@@ -30,7 +30,8 @@ class _Job:
     announce: Announce | None = None  # told the keys a background tier holds now that it did not before
     done: asyncio.Future[bool] | None = None  # a barrier: set once every job queued before it was written
     prepare: Prepare | None = None  # awaited with the first index asked for, before ``blob``
-    failures_before: int = 0  # a barrier's: failed and dropped jobs when it was queued
+    failures_before: int = 0  # a barrier's or a delete's: failed and dropped jobs when it was queued
+    expire: float | None = None  # let ``keys`` go in that many seconds (``expire_after``) instead of writing them
 
 
 class WriteBehind:
@@ -85,6 +86,14 @@ class WriteBehind:
         self._enqueue(_Job([], lambda i: b"", done=done, failures_before=self.errors + self.dropped))
         return done
 
+    def expire_after(self, keys: list[bytes], seconds: float) -> None:
+        """Let ``keys`` go from the background tiers ``seconds`` after every job queued so far is
+        written (``Tier.expire``), and only when each one was: a value replaced by one still
+        queued stays readable until the new one is, and a while after for readers that looked
+        the old one up (another node finds one or the other, never neither)."""
+        if self.tiers and keys:
+            self._enqueue(_Job(keys, lambda i: b"", expire=seconds, failures_before=self.errors + self.dropped))
+
     async def written(self, timeout: float | None = None) -> bool:
         """Wait for a ``barrier`` queued now; False when one of the jobs before it failed or was
         dropped, or ``timeout`` ran out first."""
@@ -123,6 +132,11 @@ class WriteBehind:
             if job.done is not None:
                 if not job.done.done():
                     job.done.set_result(self.errors + self.dropped == job.failures_before)
+                continue
+            if job.expire is not None:
+                if self.errors + self.dropped == job.failures_before:
+                    for tier in self.tiers:
+                        await attempt(tier.expire(job.keys, job.expire), "expire", tier)
                 continue
             for tier in self.tiers:
                 await self._write(tier, job)
