@@ -38,7 +38,16 @@ from tiers.keys import (
     prefix_chain,
 )
 from tiers.sessions import Manifest, SessionError, SessionStore
-from tiers.store import Announce, FetchResult, LookupResult, StoreResult, TailHit, TieredStore, Verified
+from tiers.store import (
+    REPLACED_GRACE_S,
+    Announce,
+    FetchResult,
+    LookupResult,
+    StoreResult,
+    TailHit,
+    TieredStore,
+    Verified,
+)
 from tiers.threads import in_background
 
 from .chunks import read_chunk_header
@@ -48,12 +57,6 @@ from .prefixrefs import REF_CHUNK, REF_TAIL, check_ref, is_ref, prefix_refs
 from .statefile import SeqState
 
 log = logging.getLogger("kvtier.flow")
-
-# How long a tail that a longer state of the same conversation replaces stays in Redis after the
-# new one is there: another node may have looked it up and still be fetching the chunks before it
-# (0.4 s for a 3,700-token SmolLM2 state here; seconds at an 8B model's size). Deleted at once, the
-# agent benchmark's next hop restored the chunks alone and recomputed the tail (134 tokens, not 45).
-REPLACED_TAIL_GRACE_S = 30.0
 
 
 class Publisher(Protocol):
@@ -340,7 +343,7 @@ async def store_state(store: TieredStore, namespace: Namespace, state: SeqState,
     recomputing up to a chunk's worth. ``previous`` is the tail this context stored or restored
     before, and ``previous_tokens`` what it held then: once this state holds all of that tail and
     more, the old tail is let go (nothing continues it any more but this state), from Redis
-    ``REPLACED_TAIL_GRACE_S`` after the new one is there. A failed tail is reported in the result;
+    ``REPLACED_GRACE_S`` after the new one is there. A failed tail is reported in the result;
     the chunks stand.
     """
     C = namespace.chunk_tokens
@@ -369,7 +372,7 @@ async def store_state(store: TieredStore, namespace: Namespace, state: SeqState,
         deleted = False
         if (previous is not None and previous_tokens is not None and (new is None or previous.key != new.key)
                 and tokens.size > previous.end and common_prefix(previous_tokens, tokens) >= previous.end):
-            await store.delete_everywhere([previous.key], grace=REPLACED_TAIL_GRACE_S)
+            await store.delete_everywhere([previous.key], grace=REPLACED_GRACE_S)
             deleted = True
     except Exception as exc:
         return StoredState(chunks, new, tail_stored=new is not None, tail_error=exc)

@@ -45,7 +45,7 @@ from .keys import (
     tail_hash_after,
 )
 from .manifests import LocalManifests, ManifestStore
-from .store import ContentCheck, PayloadSource, TieredStore, Verified
+from .store import REPLACED_GRACE_S, ContentCheck, PayloadSource, TieredStore, Verified
 
 log = logging.getLogger("kvtier.sessions")
 
@@ -242,7 +242,8 @@ class SessionStore:
         )
         await self._put_manifest(namespace, manifest)
         if old is not None and old.tail_hash and old.tail_hash != manifest.tail_hash:
-            await self.store.delete_everywhere([session_tail_key(namespace, session_id, bytes.fromhex(old.tail_hash))])
+            old_tail = session_tail_key(namespace, session_id, bytes.fromhex(old.tail_hash))
+            await self.store.delete_everywhere([old_tail], grace=REPLACED_GRACE_S)  # a restore may be fetching it
         return manifest
 
     async def load(self, namespace: Namespace, session_id: str) -> Manifest:

@@ -26,10 +26,16 @@ from .threads import in_background
 from .writebehind import DEFAULT_QUEUE_LIMIT, DEFAULT_WINDOW_BYTES, Announce, WriteBehind
 from .writethrough import WriteThrough
 
-__all__ = ["DEFAULT_QUEUE_LIMIT", "DEFAULT_WINDOW_BYTES", "Announce", "ContentCheck", "FetchResult", "LookupResult", "PayloadSource", "StoreCounters",
+__all__ = ["DEFAULT_QUEUE_LIMIT", "DEFAULT_WINDOW_BYTES", "REPLACED_GRACE_S", "Announce", "ContentCheck", "FetchResult", "LookupResult", "PayloadSource", "StoreCounters",
            "StoreResult", "TailHit", "TieredStore", "Verified"]
 
 PayloadSource = Callable[[int], bytes | bytearray | memoryview | Framed]
+# How long a value that a newer one replaces (a conversation's or a session's partial tail) stays
+# in the background tiers after the new one is there (``delete_everywhere(grace=)``): another node
+# may have looked it up and still be fetching the chunks before it (0.4 s for a 3,700-token SmolLM2
+# state here, seconds at an 8B model's size). Deleted at once, agent_loop's 4k hop lost the tail it
+# had found and recomputed 134 tokens instead of 45.
+REPLACED_GRACE_S = 30.0
 # (payload, expected first position, expected cell count) -> None when the payload holds those
 # cells, else what is wrong: the engine's check that a value holds what its key names (tiers knows
 # bytes, not KV; ``integrations.kvflow.content_mismatch`` is the llama.cpp one).
