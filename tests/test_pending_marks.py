@@ -8,11 +8,20 @@ import asyncio
 import contextlib
 import time
 
+import numpy as np
 import redis
 
+from integrations import flows
+from integrations.memkind import LookupShape
+from integrations.pendingflow import pending_marks
 from tests.servers import RedisProc, free_port
+from tiers.codec import BlobCodec
+from tiers.keys import Namespace, prefix_chain
+from tiers.memory import MemoryTier
 from tiers.pending import PendingMark, PendingSaves
 from tiers.redis_conn import RedisConnection
+from tiers.redis_tier import RedisTier
+from tiers.store import TieredStore
 
 KEYS = [b"kvtier:test:p:a", b"kvtier:test:p:b"]
 MARK = PendingMark(512, "node-a")
@@ -87,3 +96,35 @@ async def test_a_save_goes_on_without_markers_when_redis_is_unreachable() -> Non
         assert ran
     finally:
         await connection.aclose()
+
+
+async def test_a_lookup_waits_only_for_a_save_that_names_more_than_the_chunks_and_the_tail(
+        redis_srv: RedisProc) -> None:
+    """``flows.find_prefix_waiting`` waits for a save in flight on another node that names more
+    than the chunks and the tail the tiers hold together, never for one that names no more than
+    the tail (its marks name the chunk and the tail's first 16 tokens: past the chunk)."""
+    ns = Namespace("f" * 32, chunk_tokens=64)
+    connection = RedisConnection(redis_srv.url, socket_timeout=5)
+    pending = PendingSaves(connection, ttl=30)
+    store = TieredStore([MemoryTier(1 << 20), RedisTier(connection)], BlobCodec("none"))
+    tokens = np.arange(1000, 1100, dtype=np.int32)  # a chunk of 64 and 36 more tokens
+    chain = prefix_chain(ns, tokens[:64])
+    try:
+        await store.store(ns, chain, lambda i: b"c" * 64)
+        await store.store_tail(ns, chain[-1], tokens[64:84], b"t" * 64)  # 84 tokens stored
+        assert await store.flush(5)
+
+        async def look(marked: int) -> flows.FoundAfterWait:
+            async with pending.held([k for k, _ in pending_marks(ns, tokens[:marked])], PendingMark(marked, "b")):
+                await asyncio.sleep(0.05)  # the marks are in Redis
+                return await flows.find_prefix_waiting(store, pending, ns, tokens, LookupShape(),
+                                                       limit=lambda save, have: 0.1)
+
+        # A save of what is stored: its marks name 64 and 80 tokens, past the chunk, not the tail.
+        same = await look(84)
+        assert same.found.n_tokens == 84 and same.waited is None
+        more = await look(99)  # one that names 96 tokens: waited for, to the bound (its marks stay)
+        assert more.found.n_tokens == 84 and more.waited is not None
+        assert (more.waited.save.n_tokens, more.waited.ended) == (96, False) and more.before == 84
+    finally:
+        await store.aclose()
