@@ -27,6 +27,7 @@ from integrations.llama_server import LlamaServerError
 from tiers.sessions import validate_session_id
 
 from .appkeys import ENGINE, FORWARDER, METRICS, SETTINGS
+from .asked import Asked
 from .forward import route_or_none
 from .http import headers as h
 from .http.relay import Relay
@@ -44,7 +45,6 @@ from .proxy import (
     upstream_body,
 )
 from .requestplan import RequestPlan
-from .slots import Asked
 from .tenants import several_slots, tenant_salt
 
 log = logging.getLogger("kvtier.proxy")

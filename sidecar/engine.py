@@ -31,6 +31,7 @@ from tiers.sessions import Manifest, SessionNotFound, SessionStore
 from tiers.store import TieredStore
 
 from .aftercare import Aftercare
+from .asked import FOLLOW_UP_MAX_CHARS, Asked
 from .config import Settings
 from .costmodel import CostModel
 from .metrics import Metrics
@@ -40,7 +41,7 @@ from .requestplan import NO_TOKENS, RequestPlan
 from .restorer import Restored, RestoreWriter
 from .saver import Saver
 from .slotfiles import SlotFiles
-from .slots import FOLLOW_UP_MAX_CHARS, Asked, Lease, SlotTable
+from .slots import Lease, SlotTable
 from .watcher import ServerWatcher, Target, Witness
 
 log = logging.getLogger("kvtier.engine")

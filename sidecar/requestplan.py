@@ -10,9 +10,10 @@ from tiers.keys import Namespace
 from tiers.sessions import Manifest
 from tiers.store import FetchResult
 
+from .asked import Asked
 from .prompts import Prompt
 from .restorer import Restored
-from .slots import Asked, Lease
+from .slots import Lease
 
 NO_TOKENS = np.zeros(0, np.int32)
 NO_TOKENS.flags.writeable = False

@@ -24,29 +24,11 @@ from integrations.flows import tail_after_store
 from integrations.kvflow import StoredState, TailRecord
 from tiers.keys import common_prefix
 
-# What a request asked, as far as follow-ups go: a chat's message digests, or a text prompt.
-Asked = tuple[int, ...] | str
-# How much a follow-up may add to what its slot answered: a chat's last message, a text's end.
-FOLLOW_UP_MAX_CHARS = 512
+from .asked import Asked, continues
+
 # A slot used this recently holds a live conversation (agents' steps, chat turns: back within minutes;
 # colder is in the tiers): a request overwriting more than it reuses takes a colder free slot (``_worth``).
 LIVE_S = 600.0
-
-
-def continues(held: Asked, asked: Asked) -> bool:
-    """Whether request ``asked`` differs from the one a slot answered (``held``) only in its end:
-
-    - chats (message digests): the same earlier messages and another (or the same) last one, or
-      ``held`` followed by one answer and one new message; at least one earlier message shared
-      (how long the new message may be is the caller's check);
-    - text prompts: all of ``asked`` but its last ``FOLLOW_UP_MAX_CHARS`` characters starts ``held``.
-    """
-    if isinstance(held, str) or isinstance(asked, str):
-        keep = len(asked) - FOLLOW_UP_MAX_CHARS
-        return isinstance(held, str) and isinstance(asked, str) and keep > 0 and held.startswith(asked[:keep])
-    if len(asked) == len(held):
-        return len(asked) >= 2 and asked[:-1] == held[:-1]
-    return bool(held) and len(asked) == len(held) + 2 and asked[: len(held)] == held
 
 
 def _continues_answer(answered: tuple[np.ndarray, str], slot: int, fut: asyncio.Future[Any], tokens: np.ndarray,

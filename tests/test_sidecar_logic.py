@@ -14,6 +14,7 @@ from integrations.kvflow import TailRecord
 from integrations.llama_server import Timings, stream_finished
 from sidecar import aftercare
 from sidecar import slots as slots_mod
+from sidecar.asked import FOLLOW_UP_MAX_CHARS, continues
 from sidecar.cli_client import summarize_metrics
 from sidecar.config import Settings, load_settings
 from sidecar.costmodel import CostModel
@@ -21,7 +22,7 @@ from sidecar.http.relay import Relay
 from sidecar.metrics import Metrics
 from sidecar.prompts import chat_digests
 from sidecar.proxy import upstream_body
-from sidecar.slots import FOLLOW_UP_MAX_CHARS, Lease, SlotTable, continues
+from sidecar.slots import Lease, SlotTable
 from tiers.errors import ConfigError
 from tiers.keys import common_prefix
 from tiers.redis_urls import redacted_url
