@@ -92,10 +92,11 @@ class Aftercare:
         # for its save, as for any answer.
         cut = cut and plan.session_id is None
         # A follow-up's prompt was never tokenized (``KVEngine.follow_up``): what its slot holds at
-        # least is not known before the save reads it, so no waiter is taken for its continuation.
+        # least is not known before the save reads it, so no tokenized waiter is taken for its
+        # continuation; a follow-up that repeats or extends what it asked is (``await_follow_up``).
         known = (ok or cut) and not plan.follow_up
         plan.lease.table.begin_save(plan.lease.slot, (plan.tokens, plan.salt) if known else None,
-                                    plan.asked if ok and known else ())
+                                    plan.asked if ok else ())
         answered = time.perf_counter()
         task = asyncio.get_running_loop().create_task(self._save_then_release(plan, ok, answer, answered, cut))
         self._pending.add(task)
@@ -229,9 +230,9 @@ class Aftercare:
 
     def _pause(self, plan: RequestPlan, ok: bool) -> float:
         """``save_pause`` before this save. Only a save that a next turn may skip waits longer
-        before a slow write: the others (a session's, a cut answer's, a follow-up's, which no
-        waiter can match) would only reach the tiers later."""
-        if not ok or plan.session_id is not None or plan.follow_up:
+        before a slow write: the others (a session's, a cut answer's) would only reach the tiers
+        later."""
+        if not ok or plan.session_id is not None:
             return save_pause(None)
         lease = plan.lease
         return save_pause(self.saver.expected_write(lease.table.held_about(lease.slot)))

@@ -118,9 +118,10 @@ class KVEngine:
         tiers: they hold no more of it than the slot, unless this very request already ran on
         another node, and then only its short new end (at most ``FOLLOW_UP_MAX_CHARS`` characters,
         cheap to compute). So it goes to that slot as it is, without rendering, tokenizing or a
-        lookup. The same request again, while that slot's save has not read it yet (sent the moment
-        the answer ended), waits for the slot, whose save it then makes needless
-        (``SlotTable.await_follow_up``).
+        lookup. The same request again, or a chat's next turn (the answer and one new message),
+        while that slot's save has not read it yet (sent the moment the answer ended: an agent's
+        next step), waits for the slot, whose save it then makes needless
+        (``SlotTable.await_follow_up``), also when that answer was itself a follow-up's.
         """
         target, table = self.watcher.target, self.watcher.slots
         if table is None or target is None:

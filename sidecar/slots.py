@@ -24,7 +24,7 @@ from integrations.flows import tail_after_store
 from integrations.kvflow import StoredState, TailRecord
 from tiers.keys import common_prefix
 
-from .asked import Asked, continues
+from .asked import Asked, continues, extends
 
 # A slot used this recently holds a live conversation (agents' steps, chat turns: back within minutes;
 # colder is in the tiers): a request overwriting more than it reuses takes a colder free slot (``_worth``).
@@ -65,6 +65,7 @@ class Slot:
     task_id: int | None = None
     # Grants so far: a save begun under an earlier one (its slot handed over since) records nothing.
     leases: int = 0
+    followers: int = 0  # while it saves: requests waiting for it that repeat or extend what it answered
 
     def hot(self) -> tuple[np.ndarray, str]:
         """What the slot holds at least, and for which tenant: while its save runs, the prompt
@@ -159,30 +160,33 @@ class SlotRecords:
         """An answer ended in ``slot`` and its save begins: the slot is saving, and holds at least
         ``answered`` (the prompt it answered and its tenant; None when that prompt is not known: a
         failed request, or a follow-up sent without its tokens, which continues what the slot held).
-        ``asked``: what that request asked, when it ended well (``pending_follow_up``)."""
+        ``asked``: what that request asked, given only when it ended well (``pending_follow_up``)."""
         record = self.slots[slot]
         record.served = record.saving = True
         record.answered = answered
-        record.answered_asked = asked if answered is not None else ()
+        record.answered_asked = asked
 
-    def pending_follow_up(self, asked: Asked, *, want: int | None = None, owner: str = "") -> tuple[int, np.ndarray] | None:
+    def pending_follow_up(self, asked: Asked, *, want: int | None = None, owner: str = "") -> int | None:
         """A slot whose save after an answer has not read it yet, and whose answered request
-        ``asked`` repeats exactly (same tenant): its id and the prompt it answered. Such a request
-        may wait for that slot as a follow-up (``KVEngine.follow_up``), untokenized: its tokens are
-        the answered prompt's, so its own save stores all the skipped one would have (``awaited``).
-        A request that continues the answer is tokenized first: that is only known of its tokens."""
+        ``asked`` repeats exactly or, a chat, extends by that answer and one new message (the next
+        turn: ``extends``), for the same tenant; None when there is none. Such a request may wait
+        for that slot as a follow-up (``KVEngine.follow_up``), untokenized: it holds all the
+        answered prompt, so its own save stores all the skipped one would have (``awaited``). A
+        text prompt with another end is tokenized first: only its tokens tell whether it does.
+        The answer may itself have been a follow-up's (its prompt's tokens never known)."""
         for s in self.slots:
-            if (s.saving and s.answered is not None and s.answered[1] == owner and (want is None or s.id == want)
-                    and s.answered_asked and s.answered_asked == asked):
-                return s.id, s.answered[0]
+            if (s.saving and s.hot()[1] == owner and (want is None or s.id == want) and s.answered_asked
+                    and (s.answered_asked == asked or extends(s.answered_asked, asked))):
+                return s.id
         return None
 
     def awaited(self, slot: int) -> bool:
         """Whether a request of the same tenant waits for ``slot`` while its save runs, repeating or
-        continuing the prompt it answered: the slot serves it as llama-server alone would."""
+        continuing the prompt it answered (its tokens, or what it asked: ``await_follow_up``): the
+        slot serves it as llama-server alone would."""
         record = self.slots[slot]
-        return record.saving and record.answered is not None and any(
-            _continues_answer(record.answered, slot, *entry) for entry in self._waiters)
+        return record.saving and (record.followers > 0 or record.answered is not None and any(
+            _continues_answer(record.answered, slot, *entry) for entry in self._waiters))
 
     def wanted(self, slot: int) -> bool:
         """Whether a request waits that ``slot`` could serve (it asked for that slot, or any)."""
@@ -376,17 +380,21 @@ class SlotTable(SlotRecords):
         return None
 
     async def await_follow_up(self, asked: Asked, *, want: int | None = None, owner: str = "") -> Lease | None:
-        """For a request that repeats an answer whose save has not read its slot yet
+        """For a request that repeats or extends an answer whose save has not read its slot yet
         (``pending_follow_up``): that slot, once the save has read it, or skipped it since this
         request waits (``awaited``), as a follow-up's lease (``cached_tokens`` 0, as ``follow_up``).
         None when there is no such slot, or it no longer holds what was asked (its save failed):
         the request then takes the full path."""
-        pending = self.pending_follow_up(asked, want=want, owner=owner)
-        if pending is None:
+        slot = self.pending_follow_up(asked, want=want, owner=owner)
+        if slot is None:
             return None
-        slot, answered = pending
-        lease = await self.acquire(answered, want=slot, owner=owner)
-        if lease.foreign or self.slots[slot].asked != asked:
+        record = self.slots[slot]
+        record.followers += 1
+        try:
+            lease = await self.acquire(record.hot()[0], want=slot, owner=owner)
+        finally:
+            record.followers -= 1
+        if lease.foreign or not (record.asked == asked or extends(record.asked, asked)):
             lease.release()
             return None
         lease.cached_tokens = 0

@@ -165,8 +165,7 @@ async def test_a_repeat_waits_untokenized_for_the_slot_whose_save_has_not_read_i
     asked = "The records. " + "Shelf 7 holds the ledgers. " * 40 + "\nQuestion: what does shelf 7 hold?\nAnswer:"
     answering = await table.acquire(prompt, owner="t")
     table.begin_save(answering.slot, (prompt, "t"), asked)
-    pending = table.pending_follow_up(asked, owner="t")
-    assert pending is not None and pending[0] == answering.slot and pending[1] is prompt
+    assert table.pending_follow_up(asked, owner="t") == answering.slot
     assert table.pending_follow_up(asked, owner="other") is None  # another tenant's answer
     assert table.pending_follow_up("Another record. " * 60, owner="t") is None
     # A continuation (another end): tokenized first, since only its tokens tell whether it holds
@@ -202,10 +201,50 @@ async def test_a_repeat_waits_untokenized_for_the_slot_whose_save_has_not_read_i
     table.end_save(answering)
     assert await asyncio.wait_for(again, 1) is None
     assert not table.slots[answering.slot].busy  # given back, for the full path to take
-    # An answer whose request failed records nothing to follow.
+    # An answer whose request failed records nothing to follow (what it asked is not given).
     failed = await table.acquire(prompt, owner="t")
-    table.begin_save(failed.slot, None, asked)
+    table.begin_save(failed.slot, None)
     assert table.pending_follow_up(asked, owner="t") is None
+
+
+async def test_a_chats_next_turn_waits_untokenized_for_the_slot_whose_save_has_not_read_it() -> None:
+    """An agent's next step, sent the moment the last answer ended: the chat so far, that answer
+    and one new message. It waits for the slot as a follow-up, and the save it makes needless is
+    skipped (``awaited``), also when the answer it extends was a follow-up's (tokens never known)."""
+    table = SlotTable(2)
+    table.set_tokens(0, np.arange(5000, 5300, dtype=np.int32), owner="t")
+
+    def msgs(*texts: str) -> tuple[int, ...]:
+        return tuple(hash(t) for t in texts)
+
+    answered = msgs("sys", "q1", "a1", "q2")  # a follow-up's: sent on untokenized
+    answering = await table.acquire(np.arange(5000, 5300, dtype=np.int32), owner="t", want=0)
+    table.begin_save(0, None, answered)
+    nxt = msgs("sys", "q1", "a1", "q2", "a2", "q3")
+    assert table.pending_follow_up(nxt, owner="t") == 0
+    assert table.pending_follow_up(nxt, owner="other") is None  # another tenant's answer
+    assert table.pending_follow_up(msgs("sys", "q1", "a1", "q9"), owner="t") is None  # another last question
+    assert table.pending_follow_up(msgs("sys", "q1", "a1", "q2", "a2", "q3", "a3", "q4"), owner="t") is None
+    assert not table.awaited(0)
+    waiting = asyncio.ensure_future(table.await_follow_up(nxt, owner="t"))
+    await asyncio.sleep(0)
+    assert not waiting.done() and table.awaited(0) and table.wanted(0)
+    table.skip_save(0, answered)
+    table.end_save(answering)
+    lease = await asyncio.wait_for(waiting, 1)
+    assert lease is not None and (lease.slot, lease.cached_tokens) == (0, 0)
+    assert table.slots[0].followers == 0 and table.slots[0].tokens.size == 300  # what the table knew stays
+    lease.release()
+    # A client that leaves while it waits: no longer awaited, so the save is made.
+    again = await table.acquire(np.arange(5000, 5300, dtype=np.int32), owner="t", want=0)
+    table.begin_save(0, None, answered)
+    left = asyncio.ensure_future(table.await_follow_up(nxt, owner="t"))
+    await asyncio.sleep(0)
+    assert not left.done() and table.awaited(0)
+    left.cancel()
+    await asyncio.sleep(0)
+    assert not table.awaited(0) and table.slots[0].followers == 0
+    table.end_save(again)
 
 
 async def test_a_failed_save_leaves_the_slot_holding_the_prompt_its_answer_ran_on() -> None:
