@@ -11,7 +11,18 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from bench import capacity, datapath, hop, llama_cpp_python, neverworse, overhead, report, state, tiers
+from bench import (
+    capacity,
+    chatsteps,
+    datapath,
+    hop,
+    llama_cpp_python,
+    neverworse,
+    overhead,
+    report,
+    state,
+    tiers,
+)
 
 BENCHMARKS: dict[str, Callable[[list[str]], int | None]] = {
     "tiers": tiers.main,
@@ -23,6 +34,7 @@ BENCHMARKS: dict[str, Callable[[list[str]], int | None]] = {
     "capacity": capacity.main,
     "neverworse": neverworse.main,
     "datapath": datapath.main,
+    "chatsteps": chatsteps.main,
 }
 USAGE = f"usage: python -m bench NAME [options]\n\nNAME: {', '.join(BENCHMARKS)}"
 

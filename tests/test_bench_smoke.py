@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from bench import datapath, hop, neverworse, overhead, report, stages
+from bench import chatsteps, datapath, hop, neverworse, overhead, report, stages
 from bench.__main__ import BENCHMARKS
 from bench.__main__ import main as bench_main
 from bench.common import Reply, parse_metrics, percentile, summary
@@ -209,6 +209,18 @@ def test_neverworse_rows_and_their_section() -> None:
     assert "| quiet | agent_subagents | alone | finalize TTFT ms (p50) | 900 | 20.0 |" in md
     assert "1 round(s) of three agents" in md  # a result file from before --agent-rounds
     assert "`-np 4 -c 16384 -t 2`" in md
+
+
+def test_chatsteps_rows_leave_the_first_step_out_and_compare_with_alone() -> None:
+    def steps(*ms: float) -> list[dict[str, Any]]:
+        return [{"step": i + 1, "ttft_ms": x, "computed": 40 + i, "prompt_tokens": 3000} for i, x in enumerate(ms)]
+
+    results = {"alone": {"steps": steps(9000, 800, 1000, 900)},
+               "kvtier": {"steps": steps(9500, 700, 4000, 900), "kvtier": {"saves_made": 2.0, "saves_skipped": 2.0,
+                                                                         "follow_ups": 3.0}}}
+    alone, kvtier = chatsteps.table(results)
+    assert alone == ["alone", 900, 1000, 1.0, 42, "800 / 1000 / 900", "-"]
+    assert kvtier == ["kvtier", 900, 4000, 1.0, 42, "700 / 4000 / 900", "2 / 2 / 3"]
 
 
 def test_stage_medians_and_the_overhead_verdict() -> None:
