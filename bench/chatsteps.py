@@ -45,15 +45,15 @@ from .common import (
     write_json,
 )
 
-MODES = ("alone", "kvtier")
+MODES = ("alone", "kvtier")  # also "kvtier-ram": the sidecar without Redis (its RAM tier alone)
 TOOL_RESULT = "Tool result {k}: status ok, 3 rows, ids 41{k}, 52{k}, 63{k}; next page none."
 
 
 async def run_mode(mode: str, model: str, a: argparse.Namespace, redis_url: str) -> dict[str, Any]:
     """One agent of ``a.steps`` steps on a fresh node; per step its TTFT and tokens computed."""
-    sidecar = mode == "kvtier"
+    sidecar = mode.startswith("kvtier")
     args = ["-c", str(2 * (a.prefix + 2048)), "-np", "2", "-t", str(a.threads)]
-    with cluster(1, args, sidecar=sidecar, redis_url=redis_url if sidecar else None, model=model) as cl:
+    with cluster(1, args, sidecar=sidecar, redis_url=redis_url if mode == "kvtier" else None, model=model) as cl:
         async with client_session() as s:
             messages = [{"role": "system", "content": "You are an agent. Use the tools, then answer."},
                         {"role": "user", "content": document(a.prefix, 300)}]
