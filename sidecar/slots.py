@@ -65,7 +65,8 @@ class Slot:
     task_id: int | None = None
     # Grants so far: a save begun under an earlier one (its slot handed over since) records nothing.
     leases: int = 0
-    followers: int = 0  # while it saves: requests waiting for it that repeat or extend what it answered
+    # While it saves: what the requests waiting for it untokenized asked (``await_follow_up``).
+    followers: list[Asked] = field(default_factory=list)
 
     def hot(self) -> tuple[np.ndarray, str]:
         """What the slot holds at least, and for which tenant: while its save runs, the prompt
@@ -185,8 +186,13 @@ class SlotRecords:
         continuing the prompt it answered (its tokens, or what it asked: ``await_follow_up``): the
         slot serves it as llama-server alone would."""
         record = self.slots[slot]
-        return record.saving and (record.followers > 0 or record.answered is not None and any(
-            _continues_answer(record.answered, slot, *entry) for entry in self._waiters))
+        if not record.saving:
+            return False
+        asked = record.answered_asked
+        if asked and any(a == asked or extends(asked, a) for a in record.followers):
+            return True
+        return record.answered is not None and any(
+            _continues_answer(record.answered, slot, *entry) for entry in self._waiters)
 
     def wanted(self, slot: int) -> bool:
         """Whether a request waits that ``slot`` could serve (it asked for that slot, or any)."""
@@ -389,11 +395,11 @@ class SlotTable(SlotRecords):
         if slot is None:
             return None
         record = self.slots[slot]
-        record.followers += 1
+        record.followers.append(asked)
         try:
             lease = await self.acquire(record.hot()[0], want=slot, owner=owner)
         finally:
-            record.followers -= 1
+            record.followers.remove(asked)
         if lease.foreign or not (record.asked == asked or extends(record.asked, asked)):
             lease.release()
             return None

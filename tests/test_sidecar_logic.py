@@ -233,7 +233,7 @@ async def test_a_chats_next_turn_waits_untokenized_for_the_slot_whose_save_has_n
     table.end_save(answering)
     lease = await asyncio.wait_for(waiting, 1)
     assert lease is not None and (lease.slot, lease.cached_tokens) == (0, 0)
-    assert table.slots[0].followers == 0 and table.slots[0].tokens.size == 300  # what the table knew stays
+    assert table.slots[0].followers == [] and table.slots[0].tokens.size == 300  # what the table knew stays
     lease.release()
     # A client that leaves while it waits: no longer awaited, so the save is made.
     again = await table.acquire(np.arange(5000, 5300, dtype=np.int32), owner="t", want=0)
@@ -243,8 +243,26 @@ async def test_a_chats_next_turn_waits_untokenized_for_the_slot_whose_save_has_n
     assert not left.done() and table.awaited(0)
     left.cancel()
     await asyncio.sleep(0)
-    assert not table.awaited(0) and table.slots[0].followers == 0
+    assert not table.awaited(0) and table.slots[0].followers == []
     table.end_save(again)
+    # Two waiting at once: the one that extends the answer, and one that extends only the answer
+    # before it. When the first has the slot and answered, the save of its answer is skipped for
+    # a waiter that extends or repeats what it asked, not for the other.
+    again = await table.acquire(np.arange(5000, 5300, dtype=np.int32), owner="t", want=0)
+    table.begin_save(0, None, answered)
+    first = asyncio.ensure_future(table.await_follow_up(nxt, owner="t"))
+    other = asyncio.ensure_future(table.await_follow_up(msgs("sys", "q1", "a1", "q2", "b2", "r3"), owner="t"))
+    await asyncio.sleep(0)
+    table.skip_save(0, answered)
+    table.end_save(again)
+    lease = await asyncio.wait_for(first, 1)
+    assert lease is not None and not other.done()
+    table.begin_save(0, None, nxt)  # the first one's answer
+    assert not table.awaited(0)  # the other extends the answer before it, not this one
+    table.record_saved(0, np.arange(5000, 5400, dtype=np.int32), "t")
+    table.record_asked(0, nxt)
+    table.end_save(lease)
+    assert await asyncio.wait_for(other, 1) is None  # the full path instead
 
 
 async def test_a_failed_save_leaves_the_slot_holding_the_prompt_its_answer_ran_on() -> None:
