@@ -30,7 +30,7 @@ class _Job:
     announce: Announce | None = None  # told the keys a background tier holds now that it did not before
     done: asyncio.Future[bool] | None = None  # a barrier: set once every job queued before it was written
     prepare: Prepare | None = None  # awaited with the first index asked for, before ``blob``
-    failures_before: int = 0  # a barrier's or a delete's: failed and dropped jobs when it was queued
+    failures_before: int = 0  # a barrier's or an expiry's: failed and dropped jobs when it was queued
     expire: float | None = None  # let ``keys`` go in that many seconds (``expire_after``) instead of writing them
 
 
