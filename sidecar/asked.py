@@ -36,3 +36,9 @@ def extends(held: Asked, asked: Asked) -> bool:
     tokens tell, so it never extends here."""
     return (isinstance(held, tuple) and isinstance(asked, tuple) and bool(held)
             and len(asked) == len(held) + 2 and asked[: len(held)] == held)
+
+
+def follows(held: Asked, asked: Asked) -> bool:
+    """Whether ``asked`` repeats ``held`` (something asked) or ``extends`` it: a request whose own save
+    stores all that a save of ``held``'s answer would, so that save may be skipped for it."""
+    return bool(held) and (asked == held or extends(held, asked))

@@ -24,7 +24,7 @@ from integrations.flows import tail_after_store
 from integrations.kvflow import StoredState, TailRecord
 from tiers.keys import common_prefix
 
-from .asked import Asked, continues, extends
+from .asked import Asked, continues, follows
 
 # A slot used this recently holds a live conversation (agents' steps, chat turns: back within minutes;
 # colder is in the tiers): a request overwriting more than it reuses takes a colder free slot (``_worth``).
@@ -176,8 +176,8 @@ class SlotRecords:
         text prompt with another end is tokenized first: only its tokens tell whether it does.
         The answer may itself have been a follow-up's (its prompt's tokens never known)."""
         for s in self.slots:
-            if (s.saving and s.hot()[1] == owner and (want is None or s.id == want) and s.answered_asked
-                    and (s.answered_asked == asked or extends(s.answered_asked, asked))):
+            if (s.saving and s.hot()[1] == owner and (want is None or s.id == want)
+                    and follows(s.answered_asked, asked)):
                 return s.id
         return None
 
@@ -188,8 +188,7 @@ class SlotRecords:
         record = self.slots[slot]
         if not record.saving:
             return False
-        asked = record.answered_asked
-        if asked and any(a == asked or extends(asked, a) for a in record.followers):
+        if any(follows(record.answered_asked, a) for a in record.followers):
             return True
         return record.answered is not None and any(
             _continues_answer(record.answered, slot, *entry) for entry in self._waiters)
@@ -400,7 +399,7 @@ class SlotTable(SlotRecords):
             lease = await self.acquire(record.hot()[0], want=slot, owner=owner)
         finally:
             record.followers.remove(asked)
-        if lease.foreign or not (record.asked == asked or extends(record.asked, asked)):
+        if lease.foreign or not follows(record.asked, asked):
             lease.release()
             return None
         lease.cached_tokens = 0
