@@ -42,6 +42,7 @@ from .common import (
     redis_or_given,
     scrape,
     versions,
+    wait_idle,
     write_json,
 )
 
@@ -67,7 +68,7 @@ async def run_mode(mode: str, model: str, a: argparse.Namespace, redis_url: str)
                 await asyncio.sleep(a.tool_ms[k % len(a.tool_ms)] / 1000)
             out: dict[str, Any] = {"steps": steps}
             if sidecar:
-                await asyncio.sleep(2.0)  # the last step's save
+                await wait_idle(s, [cl.url(0)])  # the last step's save
                 m = await scrape(s, cl.url(0))
                 out["kvtier"] = {"saves_made": metric(m, "kvtier_save_seconds_count"),
                                  "saves_skipped": metric(m, "kvtier_saves_skipped_total"),
