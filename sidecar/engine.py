@@ -214,12 +214,17 @@ class KVEngine:
                                                                 lease.cached_tokens, plan.salt)
             # One request waits at most --save-wait for saves in flight, its session's and its prefix's together.
             budget = WaitBudget(self.settings.save_wait)
-            if plan.session_id is not None and await self._restore_session_prefix(plan, target, budget):
+            session = await self._restore_session_prefix(plan, target, budget) if plan.session_id else False
+            if session:
                 return
             # No session, or it could not be restored: the longest prefix the tiers hold, as for any
             # request (with Redis down, the local tiers may hold it).
             found = await self.planner.plan(plan.namespace, plan.tokens, plan.llama_reused, target, lease.slot,
                                             early, budget, sharing=lease.sharing)
+            if session is None and budget.ended and await self._restore_session_prefix(plan, target, budget):
+                # The session's first save was not marked yet when its lookup ran, but was by the
+                # prefix lookup's, which waited for it: the session (with its tail) is stored now.
+                return
             if found is None:
                 if plan.llama_reused > lease.cached_tokens:
                     self.metrics.decisions.labels("llama_cache").inc()
@@ -235,8 +240,9 @@ class KVEngine:
             log.warning("restore into slot %d failed, recomputing: %s", lease.slot, exc)
             lease.table.forget(lease.slot)
 
-    async def _restore_session_prefix(self, plan: RequestPlan, target: Target, budget: WaitBudget) -> bool:
-        """Restore the request's session when it is a prefix of the prompt and worth it."""
+    async def _restore_session_prefix(self, plan: RequestPlan, target: Target, budget: WaitBudget) -> bool | None:
+        """Restore the request's session when it is a prefix of the prompt and worth it; None when
+        there is no such session (yet), False when it was not restored."""
         assert plan.session_id is not None
         lease = plan.lease
         try:
@@ -248,7 +254,7 @@ class KVEngine:
             restored = await self.restorer.restore_session(lease, plan.namespace, manifest, target,
                                                            owner=plan.salt, cached=lease.cached_tokens)
         except SessionNotFound:
-            return False
+            return None
         except LlamaServerError:
             raise  # the slot's state is unknown now: recompute (``_restore``)
         except KVTierError as exc:  # damaged, incomplete, Redis unreachable: nothing reached the slot

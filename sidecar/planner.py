@@ -49,15 +49,18 @@ class EarlyLookup:
 
 class WaitBudget:
     """The time one request may still spend waiting for other nodes' saves, all its waits
-    together: a session's and then its prefix's lookup wait at most ``--save-wait`` in all."""
+    together: a session's and then its prefix's lookup wait at most ``--save-wait`` in all.
+    ``ended``: a save one of them waited for has ended (what it stored is readable now)."""
 
-    __slots__ = ("left",)
+    __slots__ = ("ended", "left")
 
     def __init__(self, seconds: float):
         self.left = max(0.0, seconds)
+        self.ended = False
 
-    def spend(self, seconds: float) -> None:
+    def spend(self, seconds: float, *, ended: bool = False) -> None:
         self.left = max(0.0, self.left - seconds)
+        self.ended = self.ended or ended
 
 
 class RestorePlanner:
@@ -134,7 +137,7 @@ class RestorePlanner:
 
     def _waited(self, waited: Waited, slot: int, budget: WaitBudget) -> None:
         """Spend a wait's time from ``budget``; count and log it."""
-        budget.spend(waited.seconds)
+        budget.spend(waited.seconds, ended=waited.ended)
         self.metrics.save_wait_seconds.observe(waited.seconds)
         if not waited.ended:
             self.metrics.save_waits.labels("timeout").inc()
