@@ -62,7 +62,7 @@ async def run_mode(mode: str, model: str, a: argparse.Namespace, redis_url: str)
             for k in range(a.steps):
                 reply = await chat(s, cl.url(0), messages, a.max_tokens)
                 steps.append({"step": k + 1, "ttft_ms": round(reply.ttft_ms, 1), "computed": reply.recomputed_tokens,
-                              "prompt_tokens": reply.prompt_tokens})
+                              "prompt_tokens": reply.prompt_tokens, "prompt_ms": round(reply.prompt_ms, 1)})
                 messages += [{"role": "assistant", "content": reply.content},
                              {"role": "user", "content": TOOL_RESULT.format(k=k)}]
                 await asyncio.sleep(a.tool_ms[k % len(a.tool_ms)] / 1000)
