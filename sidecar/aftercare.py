@@ -46,15 +46,27 @@ SAVE_DELAY_S = 0.03
 # several times llama-server's write until Redis holds it.
 SAVE_PAUSE_SHARE = 0.5
 SAVE_PAUSE_MAX_S = 0.5
+# An agent's loop: when the answer was a follow-up's that came soon after the answer before it,
+# the next step is likely as soon. The save waits FOLLOW_UP_PAUSE_GAPS times that gap, at most
+# FOLLOW_UP_PAUSE_MAX_S, so that the next step skips it and the stall of its write (each save
+# stops every slot while llama-server writes the whole state: hundreds of MiB at real KV sizes).
+# What it costs: the state reaches the tiers that much later; a step that hops to another node
+# mid-loop recomputes what the steps since the last save added (docs/scaling.md).
+FOLLOW_UP_PAUSE_GAPS = 2.0
+FOLLOW_UP_PAUSE_MAX_S = 2.0
 # How long a save's request is in flight before its slot may go to a request that waits for it
 # (``Aftercare._hand_over_when_wanted``): by then llama-server has queued the save.
 HANDOVER_AFTER_S = 0.05
 
 
-def save_pause(write_s: float | None) -> float:
+def save_pause(write_s: float | None, step_gap: float | None = None) -> float:
     """Seconds to hold a save back after its answer, when llama-server is expected to take
-    ``write_s`` writing the slot (None: not known yet): ``SAVE_DELAY_S`` at least."""
+    ``write_s`` writing the slot (None: not known yet): ``SAVE_DELAY_S`` at least. ``step_gap``:
+    the answer was a follow-up's that came so many seconds after the answer it continued (an
+    agent's loop, whose next step skips the save when it comes as soon)."""
     scaled = min(SAVE_PAUSE_MAX_S, SAVE_PAUSE_SHARE * write_s) if write_s else 0.0
+    if step_gap is not None and step_gap < FOLLOW_UP_PAUSE_MAX_S:
+        scaled = max(scaled, min(FOLLOW_UP_PAUSE_MAX_S, FOLLOW_UP_PAUSE_GAPS * step_gap))
     return max(SAVE_DELAY_S, scaled)
 
 
@@ -235,7 +247,7 @@ class Aftercare:
         if not ok or plan.session_id is not None:
             return save_pause(None)
         lease = plan.lease
-        return save_pause(self.saver.expected_write(lease.table.held_about(lease.slot)))
+        return save_pause(self.saver.expected_write(lease.table.held_about(lease.slot)), plan.step_gap)
 
     def _skip(self, plan: RequestPlan, ok: bool, free: Callable[[], None], *, known: bool) -> bool:
         """Skip the save when the conversation's next request (or the same prompt again) already

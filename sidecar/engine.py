@@ -132,8 +132,10 @@ class KVEngine:
             or await table.await_follow_up(asked, want=want_slot, owner=salt)
         if lease is None:
             return None
+        since_answer = table.since_answer(lease.slot)
         plan = RequestPlan(NO_TOKENS, lease, target.namespace_for(salt), salt, asked=asked, follow_up=True,
-                           generation=self.watcher.generation, sharing=lease.sharing)
+                           generation=self.watcher.generation, sharing=lease.sharing,
+                           step_gap=None if since_answer is None else max(0.0, since_answer - lease.waited_s))
         self._launched(table, lease.slot, None)
         plan.overhead_ms = (time.perf_counter() - since - lease.waited_s) * 1000 if since is not None else 0.0
         self.metrics.overhead_seconds.observe(plan.overhead_ms / 1000)

@@ -36,6 +36,8 @@ class RequestPlan:
     fetched: FetchResult | None = None  # promoted into the local tiers after the answer
     asked: Asked = ()  # what the request asked, remembered with its slot (follow-ups)
     follow_up: bool = False  # sent to the slot holding what it continues, without tokens
+    # A follow-up's: seconds from the end of the answer it continues to its arrival (an agent's tool call).
+    step_gap: float | None = None
     # A session restored for this request: the save after the answer records its use (a touch
     # when there is none), so the restore does not wait for a manifest write.
     restored_session: Manifest | None = None

@@ -67,6 +67,7 @@ class Slot:
     leases: int = 0
     # While it saves: what the requests waiting for it untokenized asked (``await_follow_up``).
     followers: list[Asked] = field(default_factory=list)
+    answered_at: float = 0.0  # when its last answer ended (the table's clock)
 
     def hot(self) -> tuple[np.ndarray, str]:
         """What the slot holds at least, and for which tenant: while its save runs, the prompt
@@ -140,6 +141,7 @@ class SlotRecords:
     (``SlotTable`` is one: its choice of slots and its queue are in the class itself)."""
 
     slots: list[Slot]
+    _clock: Callable[[], float]
     _waiters: collections.deque[Waiter]
     _watched: dict[int, asyncio.Event]  # slots whose save waits for a waiter (set at each new one)
 
@@ -166,6 +168,12 @@ class SlotRecords:
         record.served = record.saving = True
         record.answered = answered
         record.answered_asked = asked
+        record.answered_at = self._clock()
+
+    def since_answer(self, slot: int) -> float | None:
+        """Seconds since ``slot``'s last answer ended; None before its first."""
+        at = self.slots[slot].answered_at
+        return self._clock() - at if at else None
 
     def pending_follow_up(self, asked: Asked, *, want: int | None = None, owner: str = "") -> int | None:
         """A slot whose save after an answer has not read it yet, and whose answered request

@@ -200,3 +200,31 @@ async def test_a_chats_next_step_at_once_skips_the_save_of_a_follow_ups_answer(
         await a.engine.drain(30)
         assert a.metric("kvtier_save_seconds_count") == 2  # steps 1 and 3
         assert a.metric("kvtier_cache_errors_total", stage="save") == 0
+
+
+async def test_an_agents_steps_that_come_back_as_soon_as_before_skip_the_saves_between(
+        redis_srv: RedisProc, tmp_path: Path) -> None:
+    # An agent whose tool calls take 0.3 s: far longer than the 30 ms pause before a small state's
+    # save, so each step used to find the last answer's save made, and at real KV sizes wait for
+    # its write (llama-server stops every slot for it: 0.15-3 s for 375 MiB). The gap from an
+    # answer to the follow-up that continues it tells the loop's pace: the save after that
+    # follow-up's answer waits up to twice the gap (``aftercare.FOLLOW_UP_PAUSE_GAPS``), and the
+    # next step, as soon as the last, skips it. Only the first answer's save and the last's are made.
+    async with node(tmp_path, redis_srv.url, "a", ("-np", "1")) as (_, a):
+        messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
+        timings: list[dict[str, Any]] = []
+        for k in range(5):
+            if k:
+                await asyncio.sleep(0.3)  # the tool call
+            messages.append({"role": "user", "content": f"And shelf {7 + k}?"})
+            answer = await post(a.url + "/v1/chat/completions", {"messages": messages, "max_tokens": 8,
+                                                                 "temperature": 0})
+            assert answer.status == 200, answer.text
+            messages.append({"role": "assistant", "content": answer.body["choices"][0]["message"]["content"]})
+            timings.append(answer.body["timings"])
+        assert a.metric("kvtier_follow_ups_total") == 4
+        assert a.metric("kvtier_saves_skipped_total") == 3, timings  # steps 2-4's, by steps 3-5
+        assert all(t["prompt_n"] < 40 for t in timings[1:]), timings  # the slot's own KV, reused
+        await a.engine.drain(30)
+        assert a.metric("kvtier_save_seconds_count") == 2  # steps 1 and 5
+        assert a.metric("kvtier_cache_errors_total", stage="save") == 0

@@ -454,6 +454,17 @@ def test_a_save_is_held_back_by_half_of_llama_servers_expected_write_within_boun
     assert aftercare.save_pause(5.0) == aftercare.SAVE_PAUSE_MAX_S  # a long one: bounded
 
 
+def test_a_save_after_a_loops_step_waits_twice_the_steps_gap_within_bounds() -> None:
+    # A follow-up's answer that came 0.3 s after the answer it continued: its next step, as soon,
+    # finds the save still held back (and skips it).
+    assert aftercare.save_pause(None, 0.3) == pytest.approx(0.6)
+    assert aftercare.save_pause(0.4, 0.05) == pytest.approx(0.2)  # the write's pause is longer
+    assert aftercare.save_pause(None, 0.001) == aftercare.SAVE_DELAY_S  # never under it
+    assert aftercare.save_pause(None, 1.5) == aftercare.FOLLOW_UP_PAUSE_MAX_S  # bounded
+    # A step that came later than the bound: a pause could not reach the next one; the usual pause.
+    assert aftercare.save_pause(0.4, 2.5) == pytest.approx(0.2)
+
+
 def test_settings_precedence_and_redaction(tmp_path: Path) -> None:
     cfg = tmp_path / "kvtier.yaml"
     cfg.write_text("cache-size: 1G\nchunk_tokens: 128\nredis_url: redis://u:hunter2@r:6379/0\n")
