@@ -54,6 +54,10 @@ SAVE_PAUSE_MAX_S = 0.5
 # mid-loop recomputes what the steps since the last save added (docs/scaling.md).
 FOLLOW_UP_PAUSE_GAPS = 2.0
 FOLLOW_UP_PAUSE_MAX_S = 2.0
+# A pause whose end the event loop reached this late was held up (the host's CPU busy): requests
+# that came meanwhile get LATE_GRACE_S to be read and ask for the slot before the save goes on.
+LATE_S = 0.02
+LATE_GRACE_S = 0.05
 # How long a save's request is in flight before its slot may go to a request that waits for it
 # (``Aftercare._hand_over_when_wanted``): by then llama-server has queued the save.
 HANDOVER_AFTER_S = 0.05
@@ -189,10 +193,7 @@ class Aftercare:
         ``cut`` as in ``finish``."""
         lease = plan.lease
         table = lease.table
-        # Let the answer's last bytes reach the client first: on a small host the save (llama-server
-        # writing the slot file, kvtier splitting it) would compete for the CPU with its delivery.
-        # A request that waits for this slot ends the pause.
-        await table.until_wanted(lease.slot, self._pause(plan, ok))
+        await self._paused(plan, ok)
         # A request waiting for the slot takes it, and is sent on, before the answer is read (the
         # yield): reading it is off that request's path.
         if skipped := self._skip(plan, ok, free, known=self.watcher.confirmed):
@@ -239,6 +240,18 @@ class Aftercare:
         if ok:  # a cut answer's slot may hold part of the prompt only
             self.prompts.check(plan.prompt, state.tokens.tokens)
         return True
+
+    async def _paused(self, plan: RequestPlan, ok: bool) -> None:
+        """Let the answer's last bytes reach the client first: on a small host the save
+        (llama-server writing the slot file, kvtier splitting it) would compete for the CPU with
+        its delivery. A request that waits for this slot ends the pause (``_pause`` long)."""
+        slot, table = plan.lease.slot, plan.lease.table
+        pause = self._pause(plan, ok)
+        t0 = time.perf_counter()
+        if not await table.until_wanted(slot, pause) and time.perf_counter() - t0 > pause + LATE_S:
+            # The loop ran late (the host's CPU busy): a request that came meanwhile may not be
+            # read yet, and the pause must not end before it has had a moment to ask for the slot.
+            await table.until_wanted(slot, LATE_GRACE_S)
 
     def _pause(self, plan: RequestPlan, ok: bool) -> float:
         """``save_pause`` before this save. Only a save that a next turn may skip waits longer

@@ -9,6 +9,10 @@ Real llama-servers (SmolLM2, two slots each), a real Valkey.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import json
+import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -228,3 +232,39 @@ async def test_an_agents_steps_that_come_back_as_soon_as_before_skip_the_saves_b
         await a.engine.drain(30)
         assert a.metric("kvtier_save_seconds_count") == 2  # steps 1 and 5
         assert a.metric("kvtier_cache_errors_total", stage="save") == 0
+
+
+async def test_a_step_that_came_while_the_loop_was_held_up_still_skips_the_save(
+        redis_srv: RedisProc, tmp_path: Path) -> None:
+    # On a busy host the sidecar's event loop can reach the end of a save's pause late, when the
+    # next step's bytes are already waiting to be read: the save must not go on before that step
+    # has had a moment to ask for the slot. Here the loop is held up for 0.5 s right after step 2's
+    # answer (its pause: 30-200 ms) while step 3 is sent from another thread 50 ms after it.
+    async with node(tmp_path, redis_srv.url, "a", ("-np", "1")) as (_, a):
+        messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
+
+        def body(question: str) -> bytes:
+            messages.append({"role": "user", "content": question})
+            return json.dumps({"messages": messages, "max_tokens": 8, "temperature": 0}).encode()
+
+        def answered(raw: bytes) -> None:
+            messages.append({"role": "assistant", "content": json.loads(raw)["choices"][0]["message"]["content"]})
+
+        def send(data: bytes, after: float) -> bytes:
+            time.sleep(after)
+            req = urllib.request.Request(a.url + "/v1/chat/completions", data,
+                                         {"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return bytes(r.read())
+
+        answered(await asyncio.to_thread(send, body("What does shelf 7 hold?"), 0.0))
+        await a.engine.drain(30)
+        answered(await asyncio.to_thread(send, body("And shelf 8?"), 0.0))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            third = pool.submit(send, body("And shelf 9?"), 0.05)  # sent from its thread at once
+            asyncio.get_running_loop().call_soon(time.sleep, 0.5)  # the loop held up, past the pause
+            assert json.loads(await asyncio.wrap_future(third))["choices"]
+        assert a.metric("kvtier_follow_ups_total") == 2
+        assert a.metric("kvtier_saves_skipped_total") == 1  # step 2's, by step 3
+        await a.engine.drain(30)
+        assert a.metric("kvtier_save_seconds_count") == 2  # steps 1 and 3
