@@ -216,7 +216,8 @@ class KVEngine:
                                                                 lease.cached_tokens, plan.salt)
             # One request waits at most --save-wait for saves in flight, its session's and its prefix's together.
             budget = WaitBudget(self.settings.save_wait)
-            session = await self._restore_session_prefix(plan, target, budget) if plan.session_id else False
+            session = await self._restore_session_prefix(plan, target, budget) \
+                if plan.session_id is not None else False
             if session:
                 return
             # No session, or it could not be restored: the longest prefix the tiers hold, as for any
