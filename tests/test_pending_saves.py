@@ -165,6 +165,7 @@ async def test_a_session_lookup_that_missed_the_marks_restores_the_session_after
                                  {"role": "user", "content": "Which box is in room 4?"}]}
             first = await post(c.url + "/v1/chat/completions", body, headers=session)
             assert first.status == 200 and first.prompt_n > 10 * CHUNK
+            await marked(c, redis_srv, body)  # the prefix lookup comes after the marks landed
             body["messages"] += [{"role": "assistant", "content": first.content},  # type: ignore[operator]
                                  {"role": "user", "content": "And room 5?"}]
             second = await post(b4.url + "/v1/chat/completions", body, headers=session)
