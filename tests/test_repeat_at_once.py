@@ -30,6 +30,15 @@ pytestmark = pytest.mark.llama
 SAVE_DELAY_S = 1.5  # the save starts late here (as on a loaded host): the repeat surely finds it pending
 
 
+async def chat_step(url: str, messages: list[dict[str, str]], question: str) -> dict[str, Any]:
+    """An agent's chat step: ``question`` and the answer are added to ``messages``; the answer's timings."""
+    messages.append({"role": "user", "content": question})
+    answer = await post(url + "/v1/chat/completions", {"messages": messages, "max_tokens": 8, "temperature": 0})
+    assert answer.status == 200, answer.text
+    messages.append({"role": "assistant", "content": answer.body["choices"][0]["message"]["content"]})
+    return dict(answer.body["timings"])
+
+
 def text(question: str, n: int) -> dict[str, Any]:
     return {"prompt": f"{SYSTEM}\nQuestion: {question}\nAnswer:", "n_predict": n, "temperature": 0}
 
@@ -184,20 +193,11 @@ async def test_a_chats_next_step_at_once_skips_the_save_of_a_follow_ups_answer(
     monkeypatch.setattr(aftercare, "SAVE_DELAY_S", SAVE_DELAY_S)
     async with node(tmp_path, redis_srv.url, "a", ("-np", "1")) as (_, a):
         messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM}]
-
-        async def step(question: str) -> dict[str, Any]:
-            messages.append({"role": "user", "content": question})
-            answer = await post(a.url + "/v1/chat/completions", {"messages": messages, "max_tokens": 8,
-                                                                 "temperature": 0})
-            assert answer.status == 200, answer.text
-            messages.append({"role": "assistant", "content": answer.body["choices"][0]["message"]["content"]})
-            return dict(answer.body["timings"])
-
-        await step("What does shelf 7 hold?")
+        await chat_step(a.url, messages, "What does shelf 7 hold?")
         await a.engine.drain(30)  # step 1's save made
-        await step("And shelf 8?")
+        await chat_step(a.url, messages, "And shelf 8?")
         assert a.metric("kvtier_follow_ups_total") == 1 and a.metric("kvtier_saves_skipped_total") == 0
-        third = await step("And shelf 9?")  # at once: step 2's save is still pending
+        third = await chat_step(a.url, messages, "And shelf 9?")  # at once: step 2's save is still pending
         assert a.metric("kvtier_follow_ups_total") == 2
         assert a.metric("kvtier_saves_skipped_total") == 1
         assert third["cache_n"] > 600 and third["prompt_n"] < 40, third  # the slot's own KV, reused
@@ -220,12 +220,7 @@ async def test_an_agents_steps_that_come_back_as_soon_as_before_skip_the_saves_b
         for k in range(5):
             if k:
                 await asyncio.sleep(0.3)  # the tool call
-            messages.append({"role": "user", "content": f"And shelf {7 + k}?"})
-            answer = await post(a.url + "/v1/chat/completions", {"messages": messages, "max_tokens": 8,
-                                                                 "temperature": 0})
-            assert answer.status == 200, answer.text
-            messages.append({"role": "assistant", "content": answer.body["choices"][0]["message"]["content"]})
-            timings.append(answer.body["timings"])
+            timings.append(await chat_step(a.url, messages, f"And shelf {7 + k}?"))
         assert a.metric("kvtier_follow_ups_total") == 4
         assert a.metric("kvtier_saves_skipped_total") == 3, timings  # steps 2-4's, by steps 3-5
         assert all(t["prompt_n"] < 40 for t in timings[1:]), timings  # the slot's own KV, reused
