@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from sidecar.slots import SlotTable
-from tests.servers import RedisProc
+from tests.servers import LlamaServer, RedisProc
 from tests.sidecars import post
 from tests.test_aborted_answers import SYSTEM, node
 from tests.test_hardening_storage import completion as text
@@ -35,20 +35,29 @@ FIRST = SYSTEM + " " + " ".join(f"Record {i}: the jar on shelf {i} is empty." fo
 
 async def test_a_request_takes_a_slot_whose_save_waits_behind_other_batches(redis_srv: RedisProc,
                                                                            tmp_path: Path) -> None:
-    async with node(tmp_path, redis_srv.url, "a", ARGS) as (_, a), node(tmp_path, redis_srv.url, "b", ARGS) as (_, b):
+    async with node(tmp_path, redis_srv.url, "a", ARGS) as (llama, a), node(tmp_path, redis_srv.url, "b", ARGS) as (_, b):
+        # What the table holds matches llama-server before the prompts go (the health check's job,
+        # done now): a resync of a slot the start-up probe used would otherwise take a slot lease
+        # of its own in the middle of this set-up.
+        await a.engine.watcher.check_server()
+        table = a.engine.watcher.slots
+        assert table is not None and table.computing == 0
         # The short prompt takes slot 0, which llama-server fills its batches from first, so its
         # answer ends while the long one still computes its 2,048-token batches in slot 1.
         answer = asyncio.ensure_future(post(a.url + "/completion", text(FIRST + "\nQuestion: shelf 7?\nAnswer:", 1)))
-        while a.engine.watcher.slots is None or a.engine.watcher.slots.computing == 0:
-            await asyncio.sleep(0.005)
+        await until_computing(table, 1, answer)
+        assert table.slots[0].busy, "the short prompt took slot 1: the long one would fill every batch before it"
         long_prompt = asyncio.ensure_future(post(a.url + "/completion", text(LONG, 2)))
+        # The long prompt reaches llama-server while the short one computes (seconds here).
+        await until_computing(table, 2, answer)
         assert (await answer).status == 200
         # Both slots busy: the long prompt computes, the other one's save waits for its batch.
         other = await post(a.url + "/completion", text(OTHER, 2))
         assert other.status == 200
         assert a.metric("kvtier_saves_handed_over_total") == 1, (
             a.metric("kvtier_saves_skipped_total"), a.metric("kvtier_bytes_saved_total"),
-            {stage: a.metric("kvtier_cache_errors_total", stage=stage) for stage in ("save", "server_changed")})
+            {stage: a.metric("kvtier_cache_errors_total", stage=stage) for stage in ("save", "server_changed")},
+            timeline(llama))
         assert (await long_prompt).status == 200
         assert await a.engine.drain(60)
         assert await a.store.flush(30)
@@ -58,6 +67,21 @@ async def test_a_request_takes_a_slot_whose_save_waits_behind_other_batches(redi
         # What the answer left was stored: another node restores its prefix.
         back = await post(b.url + "/completion", text(FIRST + "\nQuestion: shelf 9?\nAnswer:", 2))
         assert back.status == 200 and back.restored > 0 and back.prompt_n < 80, (back.restored, back.prompt_n)
+
+
+async def until_computing(table: SlotTable, n: int, answer: asyncio.Future[object]) -> None:
+    """Until ``n`` slots compute; fails when the short prompt's answer ends first (the set-up
+    did not happen: nothing would make its save wait)."""
+    while table.computing < n:
+        assert not answer.done(), f"the short prompt was answered before {n} slot(s) computed"
+        await asyncio.sleep(0.005)
+
+
+def timeline(llama: LlamaServer) -> list[str]:
+    """llama-server's slot launches and releases, from its log (what a failure shows)."""
+    log = llama.slot_dir.parent / f"llama-server-{llama.port}.log"
+    return [line.strip() for line in log.read_text(errors="replace").splitlines()
+            if "launch_slot_" in line or "release:" in line or "prompt eval time" in line]
 
 
 def test_a_save_that_began_before_a_hand_over_records_nothing() -> None:
