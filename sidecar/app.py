@@ -30,7 +30,7 @@ from .forward import Forwarder, ForwardMetrics
 from .http.upstream import Upstream
 from .http.witness import Witness
 from .logs import MalformedRequestFilter
-from .metrics import Metrics
+from .metrics import Metrics, watch_loop_lag
 from .middlewares import front_middleware
 from .prewarm import prewarm_forever
 from .routes import auth_policy, route_defs
@@ -103,7 +103,8 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     loop = asyncio.get_running_loop()
     # The witness first: the first probe takes the chain that was open before it began.
     tasks = [loop.create_task(witness.keep_forever(), name="kvtier-witness"),
-             loop.create_task(engine.watcher.watch_forever(HEALTH_INTERVAL_S), name="kvtier-health")]
+             loop.create_task(engine.watcher.watch_forever(HEALTH_INTERVAL_S), name="kvtier-health"),
+             loop.create_task(watch_loop_lag(metrics.loop_lag_seconds), name="kvtier-loop-lag")]
     if redis is not None:  # purges done elsewhere (another node, the CLI) reach this node's tiers
         tasks.append(loop.create_task(follow_purges(engine, redis.connection, redis.events), name="kvtier-purges"))
     if settings.prewarm and redis is not None:

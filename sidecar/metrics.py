@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -14,6 +16,7 @@ from .heap import heap_usage
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 FAST_BUCKETS = (0.0002, 0.0005, 0.001, 0.002) + LATENCY_BUCKETS  # sub-millisecond steps
+LOOP_LAG_INTERVAL_S = 0.1  # how often the event loop's lateness is sampled (``watch_loop_lag``)
 
 
 class _HeapCollector:
@@ -148,6 +151,10 @@ class Metrics:
         self.pending_saves = Gauge("kvtier_pending_saves", "Slot saves not finished yet", registry=r)
         self.prewarmed = Counter("kvtier_prewarmed_chunks", "Chunks copied into local tiers from peers' events", registry=r)
         self.redis_circuit = Gauge("kvtier_redis_circuit_open", "1 while the Redis circuit breaker is open", registry=r)
+        self.loop_lag_seconds = Histogram(
+            "kvtier_event_loop_lag_seconds", "How late the event loop woke for a timer (sampled every 0.1 s): "
+            "every request it relays waits as long (a save thread's GIL, CPU taken by others)",
+            buckets=FAST_BUCKETS, registry=r)
 
     def _restore_metrics(self, r: CollectorRegistry) -> None:
         """What restores did, how long they took and what came of them."""
@@ -176,3 +183,13 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+async def watch_loop_lag(histogram: Histogram, interval: float = LOOP_LAG_INTERVAL_S) -> None:
+    """Observe into ``histogram``, every ``interval`` seconds, how much later than asked the event
+    loop woke (0 when on time): a stall of the loop stops every relayed token, and nothing else
+    shows it. Runs until cancelled."""
+    while True:
+        t0 = time.perf_counter()
+        await asyncio.sleep(interval)
+        histogram.observe(max(0.0, time.perf_counter() - t0 - interval))

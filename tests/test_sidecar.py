@@ -265,6 +265,8 @@ async def test_streaming_and_completion_endpoints(cluster: Cluster) -> None:
     assert status == 200 and events[-1] == "[DONE]"
     direct = await post(c.direct.url + "/v1/chat/completions", fresh)
     assert stream_text(events) == direct.content
+    # The event loop's lateness is sampled while the sidecar runs (every 0.1 s), requests or not.
+    assert c.a.metric("kvtier_event_loop_lag_seconds_count") > 0
 
 
 async def test_eight_concurrent_clients(cluster: Cluster) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import time
 from pathlib import Path
 
 import numpy as np
@@ -19,7 +20,7 @@ from sidecar.cli_client import summarize_metrics
 from sidecar.config import Settings, load_settings
 from sidecar.costmodel import CostModel
 from sidecar.http.relay import Relay
-from sidecar.metrics import Metrics
+from sidecar.metrics import Metrics, watch_loop_lag
 from sidecar.prompts import chat_digests
 from sidecar.proxy import upstream_body
 from sidecar.slots import Lease, SlotTable
@@ -561,3 +562,26 @@ def test_task_ids_that_go_back_tell_another_process() -> None:
     assert table.note_tasks([{"id": 0, "id_task": 2}, {"id": 1, "id_task": 11}])  # slot 0 went back
     assert table.note_tasks([{"id": 0, "id_task": 2}, {"id": 1}])  # slot 1's task is gone
     assert not table.note_tasks([{"id": 0, "id_task": 2}, {"id": 1}])  # recorded: the same process
+
+
+def test_the_loop_lag_metric_shows_a_stalled_loop() -> None:
+    """A loop blocked for 0.3 s (as by a thread holding the GIL) shows as one sample of 0.25 s or
+    more; the samples around it stay small."""
+    def stall() -> None:
+        time.sleep(0.3)  # called on the loop's thread: the loop stops
+
+    async def run() -> Metrics:
+        metrics = Metrics()
+        watcher = asyncio.ensure_future(watch_loop_lag(metrics.loop_lag_seconds, 0.01))
+        await asyncio.sleep(0.1)
+        stall()
+        await asyncio.sleep(0.1)
+        watcher.cancel()
+        return metrics
+
+    metrics = asyncio.run(run())
+    get = metrics.registry.get_sample_value
+    count = get("kvtier_event_loop_lag_seconds_count")
+    late = count - get("kvtier_event_loop_lag_seconds_bucket", {"le": "0.25"})
+    assert count >= 5 and late == 1
+    assert 0.25 <= get("kvtier_event_loop_lag_seconds_sum") < 0.25 + 0.05 * count
