@@ -37,8 +37,8 @@ async def test_a_request_takes_a_slot_whose_save_waits_behind_other_batches(redi
                                                                            tmp_path: Path) -> None:
     async with node(tmp_path, redis_srv.url, "a", ARGS) as (llama, a), node(tmp_path, redis_srv.url, "b", ARGS) as (_, b):
         # What the table holds matches llama-server before the prompts go (the health check's job,
-        # done now): a resync of a slot the start-up probe used would otherwise take a slot lease
-        # of its own in the middle of this set-up.
+        # done now): should a slot need reading again (a resync takes a lease of its own), that
+        # happens here and not in the middle of this set-up.
         await a.engine.watcher.check_server()
         table = a.engine.watcher.slots
         assert table is not None and table.computing == 0
