@@ -79,8 +79,8 @@ async def until_computing(table: SlotTable, n: int, answer: asyncio.Future[objec
 
 def timeline(llama: LlamaServer) -> list[str]:
     """llama-server's slot launches and releases, from its log (what a failure shows)."""
-    log = llama.slot_dir.parent / f"llama-server-{llama.port}.log"
-    return [line.strip() for line in log.read_text(errors="replace").splitlines()
+    assert llama.process is not None and llama.process.log is not None
+    return [line.strip() for line in llama.process.log.read_text(errors="replace").splitlines()
             if "launch_slot_" in line or "release:" in line or "prompt eval time" in line]
 
 
