@@ -54,6 +54,10 @@ class CostModel:
     """Args: prefill_tps: prior tokens/s; restore_gbps: prior end-to-end restore GB/s."""
 
     FIXED_OVERHEAD_S = 0.010  # file write + HTTP round trip of a restore, measured ~5-10 ms here
+    # llama-server's write of a slot file before it has written one here: 1 GB/s, below what it
+    # has done on any node so far (0.75-4 GB/s on a 2-core VM, tmpfs). Too slow a guess only holds
+    # the first save back a little longer (``aftercare.save_pause``); the first write replaces it.
+    SLOT_WRITE_PRIOR_BPS = 1e9
     SHARING_LEVELS = 4  # prefill rates learned apart beside 0, 1, 2, and 3 or more computing slots
     # A learned queue wait halves every this many seconds without a new sample: a wait priced in
     # stops restores at its level, and so its own samples, and a long one (a batch of a long prompt)
@@ -67,7 +71,7 @@ class CostModel:
         self.fetch_bps: dict[str, Ewma] = {}
         self.restore_bps = Ewma(restore_gbps * 1e9)
         self.readable_s_per_token = Ewma(0.0)  # no prior: unknown until this node's first save lands
-        self.slot_write_s_per_byte = Ewma(0.0)  # no prior: unknown until llama-server has saved a slot
+        self.slot_write_s_per_byte = Ewma(1 / self.SLOT_WRITE_PRIOR_BPS)
         self.queue_wait_s = [Ewma(0.0) for _ in range(self.SHARING_LEVELS)]  # a restore's wait, by level
         self._queue_wait_at = [0.0] * self.SHARING_LEVELS  # when each level's wait was last measured
         self._clock = clock
@@ -149,12 +153,11 @@ class CostModel:
             with self._lock:
                 self.slot_write_s_per_byte.update(seconds / nbytes)
 
-    def expected_slot_write(self, nbytes: int) -> float | None:
-        """Seconds llama-server should take to write a slot's file of ``nbytes``; None before it
-        has written one of 1 MiB or more."""
+    def expected_slot_write(self, nbytes: int) -> float:
+        """Seconds llama-server should take to write a slot's file of ``nbytes`` (at
+        ``SLOT_WRITE_PRIOR_BPS`` before it has written one of 1 MiB or more)."""
         with self._lock:
-            rate = self.slot_write_s_per_byte
-            return rate.value * nbytes if rate.samples else None
+            return self.slot_write_s_per_byte.value * nbytes
 
     def could_restore(self, gain: int, n_tokens: int, bytes_per_token: int) -> bool:
         """Whether any lookup could lead to a restore when it brings at most ``gain`` tokens more

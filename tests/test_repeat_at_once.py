@@ -158,8 +158,9 @@ async def test_a_next_turn_within_a_longer_pause_before_a_slow_save_skips_it(
     # llama-server's write of a slot stops its other slots for as long as it takes: kvtier holds
     # such a save back for half the write it expects (``aftercare.save_pause``; its share and bounds
     # are tested in tests/test_sidecar_logic.py), and a next turn of the conversation within that
-    # pause skips the save and its stall. Before the first write is known, and after a fast one,
-    # the pause stays short: a turn 0.2 s later finds the save made. The repeats, sent on as
+    # pause skips the save and its stall. After a fast write, and before the first one for a
+    # prompt as small as this (its size at the prior rate), the pause stays short: a turn 0.2 s
+    # later finds the save made. The repeats, sent on as
     # follow-ups (untokenized), leave saves that a repeat of theirs could skip as well: those wait
     # the pause too (2 s here, the bound raised), and are made after it.
     monkeypatch.setattr(aftercare, "SAVE_PAUSE_MAX_S", 2.0)
@@ -179,6 +180,28 @@ async def test_a_next_turn_within_a_longer_pause_before_a_slow_save_skips_it(
             await a.engine.drain(30)
             assert a.metric("kvtier_saves_skipped_total") == skipped
         assert a.metric("kvtier_save_seconds_count") == 3  # all but the one skipped
+
+
+async def test_a_fresh_nodes_first_save_is_held_back_at_the_prior_write_rate(
+        redis_srv: RedisProc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before llama-server has written a slot of 1 MiB or more here, the pause prices the write at
+    # the cost model's prior rate (the slot's size per token is known from the start-up probe's
+    # save): an agent's first tool call on a fresh node skips the first save as a later one would.
+    # The prior lowered here stands for a large model's slot (SmolLM2's few MB at 1 GB/s keep the
+    # 30 ms floor). Without a prior the pause was that floor, and a turn 0.2 s later found the save made.
+    from sidecar.costmodel import CostModel
+    monkeypatch.setattr(CostModel, "SLOT_WRITE_PRIOR_BPS", 1e6)
+    monkeypatch.setattr(aftercare, "SAVE_PAUSE_MAX_S", 2.0)
+    async with node(tmp_path, redis_srv.url, "a", ("-np", "1")) as (_, a):
+        assert a.engine.cost.slot_write_s_per_byte.samples == 0  # no write learned yet
+        body = text("What does shelf 7 hold?", 4)
+        assert (await post(a.url + "/completion", body)).status == 200
+        await asyncio.sleep(0.2)
+        again = await post(a.url + "/completion", body)
+        assert again.status == 200 and again.body["timings"]["prompt_n"] <= 2, again.body["timings"]
+        await a.engine.drain(30)
+        assert a.metric("kvtier_saves_skipped_total") == 1
+        assert a.metric("kvtier_save_seconds_count") == 1  # the repeat's answer only
 
 
 async def test_a_chats_next_step_at_once_skips_the_save_of_a_follow_ups_answer(

@@ -444,9 +444,10 @@ def test_the_prefill_rate_is_learned_by_how_many_slots_compute_beside_it() -> No
 
 def test_a_save_is_held_back_by_half_of_llama_servers_expected_write_within_bounds() -> None:
     cost = CostModel()
-    assert cost.expected_slot_write(512 << 20) is None  # nothing learned yet
+    prior = (512 << 20) / CostModel.SLOT_WRITE_PRIOR_BPS
+    assert cost.expected_slot_write(512 << 20) == pytest.approx(prior)  # nothing learned yet: the prior
     cost.observe_slot_write(512 << 10, 5.0)  # under 1 MiB: its fixed costs would teach a wrong rate
-    assert cost.expected_slot_write(512 << 20) is None
+    assert cost.expected_slot_write(512 << 20) == pytest.approx(prior)
     cost.observe_slot_write(512 << 20, 0.4)  # 512 MiB in 0.4 s (an 8B model's 4,000-token slot)
     assert cost.expected_slot_write(1 << 30) == pytest.approx(0.8)
     assert aftercare.save_pause(None) == aftercare.SAVE_DELAY_S  # not known: the short pause
