@@ -56,6 +56,7 @@ from launch import Node, smollm2_path
 from .common import (
     RESULTS_DIR,
     Cluster,
+    Samples,
     client_session,
     cluster,
     complete,
@@ -487,12 +488,25 @@ async def kvtier_stall(s: aiohttp.ClientSession, cl: Cluster, redis_url: str, pr
         client_s = await redis_holds(redis_url, base[0] + (len(prompt) + A_ANSWER - 1) // CHUNK_TOKENS, base[1] + 1, t_end)
         m1 = await scrape(s, node.sidecar_url)  # now: B's own save, after its answer, would count too
         return {"save_s": round(client_s, 3),
-                "readable_ms": round(1e3 * delta(m1, m0, "kvtier_save_readable_seconds_sum"), 1)}
+                "readable_ms": round(1e3 * delta(m1, m0, "kvtier_save_readable_seconds_sum"), 1),
+                "loop_lag": loop_lag(m1, m0)}
 
     out = await stall_round(s, node.sidecar_url, body(prompt, A_ANSWER), node.sidecar_url,
                             body(b_prompt, b_tokens, ignore_eos=True), kvtier_saves)
     await wait_idle(s, [n.sidecar_url for n in cl.nodes])
     return out
+
+
+def loop_lag(after: Samples, before: Samples) -> dict[str, float]:
+    """The sidecar's event loop lag between two scrapes (``kvtier_event_loop_lag_seconds``): its
+    samples, how many were 0.05 and 0.1 s late or more, and the bound of the latest bucket one fell in."""
+    name = "kvtier_event_loop_lag_seconds_bucket"
+    les = [k.split('le="')[1].rstrip('"}') for k in after if k.startswith(name + "{")]
+    counts = {le: delta(after, before, name, le=le) for le in les}
+    total = counts.get("+Inf", 0.0)
+    covering = [float(le) for le, n in counts.items() if n >= total]
+    return {"samples": total, "over_0.05s": total - counts.get("0.05", 0.0),
+            "over_0.1s": total - counts.get("0.1", 0.0), "max_le_s": min(covering, default=float("inf"))}
 
 
 async def kvtier_rep(s: aiohttp.ClientSession, cl: Cluster, redis_url: str, n: int, r: int,
@@ -671,6 +685,9 @@ def size_rows(res: dict[str, Any], conns: list[int]) -> list[list[Any]]:
             covered = sum(x["covered"] for x in st)
             detail += (f"; save {num(1e3 * (med(st, 'save_s') or 0))} ms, B in it {med(st, 'b_tps_during_save')} "
                        f"tok/s, covered {covered}/{len(st)}")
+        if key == "stall_kvtier" and all("loop_lag" in x for x in st):
+            detail += ("; sidecar loop lag >= 0.1 s: " + " / ".join(str(int(x["loop_lag"]["over_0.1s"])) for x in st)
+                       + " samples, max <= " + " / ".join(f"{x['loop_lag']['max_le_s']:g}" for x in st) + " s")
         rows.append([run, f"user B's longest gap: {label}", med(st, "max_gap_ms"), None, None, detail])
     return rows + next_turn_rows(run, al, kv) + cpu_rows(run, al, kv, res.get("kv_per_token", 128 << 10))
 
