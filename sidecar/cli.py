@@ -22,6 +22,7 @@ commands:
 
 
 def cmd_serve(argv: Sequence[str]) -> int:
+    from tiers.pace import set_background_pace
     from tiers.threads import set_background_nice
 
     from .app import effective_config, run
@@ -39,6 +40,7 @@ def cmd_serve(argv: Sequence[str]) -> int:
     logging.getLogger("kvtier").info("effective config: %s", effective_config(settings))
     reuse_freed_memory()
     set_background_nice(settings.save_nice)  # process-wide, as the malloc setting: before any save
+    set_background_pace(settings.save_cpu_share)
     run(settings)
     return 0
 

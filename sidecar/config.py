@@ -187,9 +187,13 @@ class Settings:
                                                   "last byte included; an answer still running then is cut off",
                                            _float)
     shutdown_timeout: float = _option(20.0, "seconds to drain requests and writes on SIGTERM", _float)
-    save_nice: int = _option(10, "how far below the sidecar's CPU priority the threads run that cut a save into "
-                                 "chunks and send them to Redis (0-19): llama-server's threads computing other "
-                                 "users' tokens take the cores first (0 = the sidecar's own priority)", _int)
+    save_nice: int = _option(0, "how far below the sidecar's CPU priority the threads run that cut a save into "
+                                "chunks and send them to Redis (0-19; 0 = the sidecar's own priority). Above 0 a "
+                                "save thread that holds the GIL waits for a core with it, and the event loop "
+                                "with it: --save-cpu-share is the better bound", _int)
+    save_cpu_share: float = _option(0.25, "share of one core (0-1] the save's work (cutting chunks, sending them "
+                                          "to Redis) takes while requests compute and the host's tasks wait for "
+                                          "its CPUs (1 = no bound)", _float)
     keep_restore_files: int = _option(1 << 30, "bytes of restore files (one per slot) and of read save files "
                                                "kept in the slot dir for later restores and saves to be written "
                                                "over: no new pages to allocate (0 = remove each after use)", _size)
@@ -320,6 +324,8 @@ def validate(s: Settings) -> None:
         parse_redis_url(s.redis_url)  # the tier's own parser: one definition of what a Redis URL may be
     if not 0 <= s.save_nice <= 19:
         raise ConfigError(f"save_nice must be within 0-19, got {s.save_nice}")
+    if not 0 < s.save_cpu_share <= 1:
+        raise ConfigError(f"save_cpu_share must be within (0, 1], got {s.save_cpu_share}")
     for name in ("cache_size", "stream_window", "body_timeout", "queue_limit"):
         if getattr(s, name) <= 0:
             raise ConfigError(f"{name} must be positive")

@@ -69,6 +69,7 @@ SAMPLES: dict[str, tuple[Any, Any]] = {
     "shutdown_timeout": ("3.5", 3.5),
     "keep_restore_files": ("0", 0),
     "save_nice": ("0", 0),
+    "save_cpu_share": ("0.5", 0.5),
 }
 NEEDS = {"auth_all": {"auth_token": "tok"}, "prewarm": {"redis_url": "redis://r/0"},
          "forward": {"redis_url": "redis://r/0", "chunk_key": "a-fleet-secret-16+"}}  # what validation asks

@@ -1,4 +1,5 @@
-"""A save's work runs on threads below the process's CPU priority; a restore's, at it."""
+"""A save's work runs on threads below the process's CPU priority; a restore's, at it (the pace of
+the save's work while requests compute: tests/test_pace.py)."""
 
 from __future__ import annotations
 
@@ -93,3 +94,4 @@ async def test_a_big_saves_chunks_are_encoded_and_a_big_fetch_checked_off_the_ev
     assert [bytes(p) for p in fetched.payloads] == payloads
     assert where == {"encode": {False}, "decode": {False}}, where
     await store.aclose()
+

@@ -11,7 +11,8 @@ drops it.
 A save's work (cutting a saved state into chunks, sending them to Redis) runs ``in_background``:
 on threads below the process's CPU priority (``set_background_nice``), so that on a CPU-only node the
 llama-server threads computing other users' tokens take the cores first; a restore's work, which a
-request waits for, runs at the process's own.
+request waits for, runs at the process's own. While other requests compute on a host with no core
+to spare, that work also keeps to a share of one core (``tiers.pace``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ import os
 import threading
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar
+
+from .pace import PACE
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
@@ -70,10 +73,16 @@ def _lower_priority(nice: int) -> None:
         os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
 
 
+class _BackgroundPool(concurrent.futures.ThreadPoolExecutor):
+    """Threads at the background priority whose every task runs at the background pace."""
+
+    def submit(self, fn: Callable[..., _T], /, *args: object, **kwargs: object) -> concurrent.futures.Future[_T]:
+        return super().submit(PACE.run, fn, *args, **kwargs)
+
+
 def background_executor(workers: int, name: str) -> concurrent.futures.ThreadPoolExecutor:
-    """A pool of ``workers`` threads named ``name`` at the background priority (a save's work)."""
-    return concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix=name, initializer=_lower_priority,
-                                                 initargs=(_nice[0],))
+    """A pool of ``workers`` threads named ``name`` at the background priority and pace (a save's work)."""
+    return _BackgroundPool(workers, thread_name_prefix=name, initializer=_lower_priority, initargs=(_nice[0],))
 
 
 async def in_background(fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
