@@ -18,7 +18,7 @@ from integrations.flows import pending_of, sessions_of
 from integrations.llama_server import KEEPALIVE_S, LlamaServerClient
 from tiers import stack
 from tiers.codec import BlobCodec
-from tiers.pace import busy_while
+from tiers.pace import PACE, busy_while
 from tiers.redis_backend import RedisBackend
 from tiers.store import TieredStore
 
@@ -91,6 +91,7 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     store, redis = build_store(settings)
     metrics = app[METRICS]
     metrics.attach_store(store)
+    metrics.attach_pace(PACE)
     engine = KVEngine(settings, LlamaServerClient(settings.llama_url, session), store, metrics,
                       sessions_of(store, redis), events=redis.events if redis is not None else None,
                       witness=witness.current, pending=pending_of(redis))

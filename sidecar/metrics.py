@@ -9,6 +9,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from tiers.pace import Pace
 from tiers.store import TieredStore
 
 from .costmodel import CostModel
@@ -33,6 +34,18 @@ class _HeapCollector:
         heap.add_metric(["free"], usage.free)
         heap.add_metric(["free_at_top"], usage.free_at_top)
         yield heap
+
+
+class _PaceCollector:
+    """How long the save's work rested to keep to ``--save-cpu-share`` (``tiers.pace``)."""
+
+    def __init__(self, pace: Pace):
+        self.pace = pace
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        yield CounterMetricFamily("kvtier_save_paced_seconds", "Seconds a save's work waited to keep to "
+                                  "--save-cpu-share of a core while slots computed on a contended host",
+                                  value=self.pace.rested_s)
 
 
 class _TierCollector:
@@ -177,6 +190,9 @@ class Metrics:
     def attach_queue(self, depth: Callable[[], int]) -> None:
         """Where ``kvtier_slot_queue_depth`` is read from: a function giving the waiting requests."""
         self._queue.depth = depth
+
+    def attach_pace(self, pace: Pace) -> None:
+        self.registry.register(_PaceCollector(pace))
 
     def attach_cost(self, cost: CostModel) -> None:
         self.registry.register(_PrefillCollector(cost))

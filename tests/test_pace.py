@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from sidecar.appkeys import METRICS
 from sidecar.config import load_settings
+from sidecar.metrics import Metrics
 from tests.servers import RedisProc
 from tests.sidecars import post
 from tests.test_aborted_answers import SYSTEM, node
@@ -63,10 +65,12 @@ def test_while_requests_compute_on_a_contended_host_the_saves_work_keeps_to_its_
     # the time since: a piece of 0.1 s of CPU at a quarter of a core makes the next one wait 0.3 s.
     # Lower bounds only: a slow machine can only make the waits longer.
     computing, _ = paced
+    rested_before = pace.PACE.rested_s
     pool = threads.background_executor(2, "test-pace")
     try:
         slow = _three_pieces(pool)
         assert slow >= 2 * 0.3 * 0.95, slow  # the two pieces after the first waited for it
+        assert pace.PACE.rested_s - rested_before >= 2 * 0.3 * 0.9  # counted (a metric)
         computing[0] = False  # nothing computes: pieces run at once, and owe nothing
         assert _three_pieces(pool) < slow
         computing[0] = True  # what was done while nothing computed is not owed afterwards
@@ -130,6 +134,14 @@ def test_cpu_pressure_is_the_share_of_time_some_task_waited(tmp_path: Path) -> N
     assert pace.CpuPressure(str(tmp_path / "none")).share() is None
 
 
+def test_the_paces_rests_are_exported_as_a_counter() -> None:
+    resting = pace.Pace(Pressure(1.0))
+    resting.rested_s = 1.5
+    metrics = Metrics()
+    metrics.attach_pace(resting)
+    assert metrics.registry.get_sample_value("kvtier_save_paced_seconds_total") == 1.5
+
+
 @pytest.mark.parametrize("value", ["0", "-0.5", "1.5"])
 def test_save_cpu_share_outside_0_to_1_is_refused(value: str, tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="save_cpu_share"):
@@ -172,4 +184,5 @@ async def test_the_pace_knows_when_the_nodes_slots_compute(
         assert True in seen, "the pace never saw the slot compute"
         await a.engine.drain(30)
         assert not pace.PACE.busy()  # the answer's slot is saved, not computing
+        assert a.app[METRICS].registry.get_sample_value("kvtier_save_paced_seconds_total") is not None
     assert not pace.PACE.busy()  # the sidecar is gone: nothing tells it any more

@@ -82,6 +82,7 @@ class Pace:
         self.pressure = pressure or CpuPressure()
         self._sources: list[Callable[[], bool]] = []
         self._resume = 0.0  # time.monotonic() before which no piece starts while busy
+        self.rested_s = 0.0  # seconds pieces waited for their share, all together (a metric)
         self._lock = threading.Lock()
 
     def busy(self) -> bool:
@@ -93,8 +94,12 @@ class Pace:
     def run(self, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
         if self.share >= 1.0:
             return fn(*args, **kwargs)
+        rest_from = time.monotonic()
         while (wait := self._resume - time.monotonic()) > 0 and self.busy():
             time.sleep(min(wait, self.REST_STEP_S))
+        if (rested := time.monotonic() - rest_from) > self.REST_STEP_S / 4:
+            with self._lock:
+                self.rested_s += rested
         t0 = time.thread_time()
         try:
             return fn(*args, **kwargs)
