@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import glob
 import json
@@ -18,7 +17,7 @@ from integrations.flows import pending_of, sessions_of
 from integrations.llama_server import KEEPALIVE_S, LlamaServerClient
 from tiers import stack
 from tiers.codec import BlobCodec
-from tiers.pace import PACE, busy_while
+from tiers.pace import PACE, tell_busy
 from tiers.redis_backend import RedisBackend
 from tiers.store import TieredStore
 
@@ -113,13 +112,13 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     if settings.prewarm and redis is not None:
         tasks.append(loop.create_task(prewarm_forever(engine.watcher, redis.events, store, metrics),
                                       name="kvtier-prewarm"))
-    # The save's work keeps to its share of a core while requests compute (``--save-cpu-share``).
-    computing = contextlib.ExitStack()
-    computing.enter_context(busy_while(lambda: engine.slots is not None and engine.slots.computing > 0))
+    # The save's work keeps to its share of a core while requests compute (``--save-cpu-share``);
+    # no longer once shutdown begins, so that the last saves drain at full speed.
+    stop_telling = tell_busy(lambda: engine.slots is not None and engine.slots.computing > 0)
     try:
         yield
     finally:
-        computing.close()
+        stop_telling()
         for task in tasks:
             task.cancel()
         if not await app[BACKGROUND].drain(settings.shutdown_timeout):

@@ -150,11 +150,12 @@ def test_save_cpu_share_outside_0_to_1_is_refused(value: str, tmp_path: Path) ->
         pace.set_background_pace(float(value))
 
 
-def test_a_busy_source_counts_only_within_its_block(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_busy_source_counts_only_until_it_is_stopped(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(pace.PACE, "pressure", Pressure(1.0))
     assert not pace.PACE.busy()
-    with pace.busy_while(lambda: True):
-        assert pace.PACE.busy()
+    stop = pace.tell_busy(lambda: True)
+    assert pace.PACE.busy()
+    stop()
     assert not pace.PACE.busy()
 
 

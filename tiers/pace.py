@@ -12,16 +12,15 @@ host's cores) no one waits for it and nothing is paced: the save takes that core
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import ParamSpec, TypeVar
 
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
-__all__ = ["PACE", "CpuPressure", "Pace", "busy_while", "set_background_pace"]
+__all__ = ["PACE", "CpuPressure", "Pace", "set_background_pace", "tell_busy"]
 
 
 class CpuPressure:
@@ -71,7 +70,7 @@ class Pace:
     (``time.thread_time``: user and system) is ``share`` of the time since. When not busy, pieces
     run at once and owe nothing.
 
-    Busy: a source (``busy_while``: a node's engine) says requests compute, and tasks on the host
+    Busy: a source (``tell_busy``: a node's engine) says requests compute, and tasks on the host
     wait for a CPU at least ``CONTENDED`` of the time (``CpuPressure``)."""
 
     REST_STEP_S = 0.02  # a resting piece looks again this often whether it still has to rest
@@ -94,12 +93,13 @@ class Pace:
     def run(self, fn: Callable[_P, _T], /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
         if self.share >= 1.0:
             return fn(*args, **kwargs)
-        rest_from = time.monotonic()
+        rest_from, rested = time.monotonic(), False
         while (wait := self._resume - time.monotonic()) > 0 and self.busy():
             time.sleep(min(wait, self.REST_STEP_S))
-        if (rested := time.monotonic() - rest_from) > self.REST_STEP_S / 4:
+            rested = True
+        if rested:
             with self._lock:
-                self.rested_s += rested
+                self.rested_s += time.monotonic() - rest_from
         t0 = time.thread_time()
         try:
             return fn(*args, **kwargs)
@@ -120,11 +120,8 @@ def set_background_pace(share: float) -> None:
     PACE.share = share
 
 
-@contextlib.contextmanager
-def busy_while(source: Callable[[], bool]) -> Iterator[None]:
-    """Within the block, ``source()`` tells whether requests compute (one of a node's engines)."""
+def tell_busy(source: Callable[[], bool]) -> Callable[[], None]:
+    """From now on ``source()`` tells whether requests compute (one of a node's engines); returns
+    the call that stops it."""
     PACE._sources.append(source)
-    try:
-        yield
-    finally:
-        PACE._sources.remove(source)
+    return lambda: PACE._sources.remove(source)
