@@ -416,6 +416,32 @@ def test_cost_model_restores_only_when_faster() -> None:
     assert not floor.decide(256, {"memory": 256}).restore
 
 
+@pytest.mark.parametrize("fetch_gbps, restore_gbps, bytes_per_token", [
+    (10.0, 3.0, 131072),  # 8B KV from the node's RAM tier, llama-server's load at 3 GB/s
+    (2.0, 3.0, 32768),  # a q8_0 8B over ~25 GbE
+    (1.25, 3.0, 131072),  # 8B f16 over 10 GbE: never faster than a 10,000 tokens/s prefill
+])
+def test_a_gpu_class_prefill_rate_restores_exactly_past_the_crossover(
+        fetch_gbps: float, restore_gbps: float, bytes_per_token: int) -> None:
+    """With ``--prefill-tps-prior 10000`` and measured data-path rates, a prefix is restored exactly
+    when its restore, fixed costs included, beats ``margin`` times its recompute."""
+    cost = CostModel(prefill_tps=10_000, restore_gbps=0.5, margin=0.8)
+    cost.observe_fetch("redis", 1 << 30, (1 << 30) / (fetch_gbps * 1e9))
+    cost.observe_restore(1 << 30, (1 << 30) / (restore_gbps * 1e9))
+    per_token_restore = bytes_per_token / (fetch_gbps * 1e9) + bytes_per_token / (restore_gbps * 1e9)
+    per_token_saved = cost.margin / 10_000 - per_token_restore
+    # restore_s = t0 + n * per_token_restore < margin * n / rate  <=>  n > t0 / per_token_saved
+    crossover = CostModel.FIXED_OVERHEAD_S / per_token_saved if per_token_saved > 0 else None
+    for n in [1, 16, 64, 128, 256, 384, 512, 1024, 4096, 8192, 32768]:
+        decision = cost.decide(n, {"redis": n * bytes_per_token})
+        assert decision.predicted_recompute_s == pytest.approx(n / 10_000)
+        assert decision.restore == (crossover is not None and n > crossover), (n, crossover, decision)
+    if crossover is not None:  # one token either side of it decides the other way
+        at = int(crossover)
+        assert not cost.decide(at, {"redis": at * bytes_per_token}).restore
+        assert cost.decide(at + 1, {"redis": (at + 1) * bytes_per_token}).restore
+
+
 def test_a_lookup_is_spared_when_no_prefix_could_be_restored() -> None:
     cpu = CostModel(prefill_tps=200, restore_gbps=1.0)
     # The slot holds 2,048 of 2,060 tokens: restoring all 2,060 never beats computing 12.
