@@ -27,7 +27,10 @@ run, medians over the reps:
   llama-server's ``prompt_n`` (only the new tokens computed: the restore was used).
 - stall: user B streams ``--b-tokens`` tokens on one slot from the first token of user A's answer
   on the other; after A's answer ends, no save, llama-server's own save of A's slot, or kvtier's save
-  (through the sidecar, as B). B's longest and median gap between tokens after A's end.
+  (through the sidecar, as B). B's longest and median gap between tokens after A's end. Then, in
+  kvtier's rep, A's conversation once more with llama-server's own save, sent past the sidecar
+  (``sidecars running``): llama-server writes a slot more slowly when the machine's memory is in use
+  (both sidecars' RAM tiers, Valkey), so kvtier's gap is rated per rep against both.
 - CPU: the sidecar's utime + stime and minor faults (``/proc/PID/stat``) from the answer's end until
   the save is done, per GB saved; from the request to its answer, per GB restored.
 
@@ -233,11 +236,13 @@ def load_avg() -> list[float]:
 
 @dataclass
 class Stream:
-    """A streamed native completion: when each token event arrived (perf_counter) and its timings."""
+    """A streamed native completion: when each token event arrived (perf_counter), its timings and
+    the slot llama-server computed it in."""
 
     times: list[float] = field(default_factory=list)
     timings: dict[str, Any] = field(default_factory=dict)
     end: float = 0.0
+    slot: int | None = None
 
 
 async def timed_stream(s: aiohttp.ClientSession, url: str, body: dict[str, Any],
@@ -260,6 +265,7 @@ async def timed_stream(s: aiohttp.ClientSession, url: str, body: dict[str, Any],
                     if first is not None:
                         first.set()
                 out.timings = data.get("timings") or out.timings
+                out.slot = data.get("id_slot", out.slot)
     out.end = time.perf_counter()
     return out
 
@@ -269,8 +275,10 @@ def body(prompt: list[int], n_predict: int, **extra: Any) -> dict[str, Any]:
 
 
 async def stall_round(s: aiohttp.ClientSession, a_url: str, a_body: dict[str, Any], b_url: str,
-                      b_body: dict[str, Any], save: Callable[[], Awaitable[dict[str, Any]]] | None) -> dict[str, Any]:
-    """A answers; B starts at A's first token; once A's answer ends ``save`` runs. B's gaps after A's end."""
+                      b_body: dict[str, Any], save: Callable[[Stream], Awaitable[dict[str, Any]]] | None
+                      ) -> dict[str, Any]:
+    """A answers; B starts at A's first token; once A's answer ends ``save`` runs (given A's stream).
+    B's gaps after A's end."""
     first = asyncio.Event()
     a_task = asyncio.create_task(timed_stream(s, a_url, a_body, first))
     waiter = asyncio.create_task(first.wait())
@@ -278,7 +286,7 @@ async def stall_round(s: aiohttp.ClientSession, a_url: str, a_body: dict[str, An
     waiter.cancel()
     b_task = asyncio.create_task(timed_stream(s, b_url, b_body))
     a = await a_task
-    saved = await save() if save is not None else {}
+    saved = await save(a) if save is not None else {}
     b = await b_task
     # Gaps ending after A's answer ended (the one spanning its end included).
     after = max(1, next((i for i, t in enumerate(b.times) if t > a.end), len(b.times)))
@@ -386,6 +394,17 @@ async def next_turn(s: aiohttp.ClientSession, url: str, prompt: list[int], extra
     return {"ttft_ms": reply.ttft_ms, "prompt_n": reply.recomputed_tokens, "load_avg": load_avg()}
 
 
+def llama_save(s: aiohttp.ClientSession, node: Node) -> Callable[[Stream], Awaitable[dict[str, Any]]]:
+    """llama-server's own save of the slot A answered in (its file removed at once)."""
+    async def save(a: Stream) -> dict[str, Any]:
+        name = "datapath-stall.bin"
+        t0 = time.perf_counter()
+        saved, _ = await post_json(s, f"{node.llama_url}/slots/{a.slot or 0}?action=save", {"filename": name})
+        (node.slot_dir / name).unlink(missing_ok=True)
+        return {"save_s": round(time.perf_counter() - t0, 3), "save_ms": float(saved["timings"]["save_ms"])}
+    return save
+
+
 async def alone_rep(s: aiohttp.ClientSession, node: Node, redis_url: str, n: int, r: int,
                     a: argparse.Namespace) -> dict[str, Any]:
     """Stall without a save, the floors, then stall with llama-server's own save (one llama-server)."""
@@ -398,13 +417,8 @@ async def alone_rep(s: aiohttp.ClientSession, node: Node, redis_url: str, n: int
     out["recompute_ms"] = out["stall_none"]["a_prompt_ms"]
     out["floor"] = await llama_floor(s, node, redis_url, a.conns)
 
-    async def llama_save() -> dict[str, Any]:
-        t0 = time.perf_counter()
-        saved, _ = await post_json(s, f"{url}/slots/0?action=save", {"filename": "datapath-stall.bin"})
-        (node.slot_dir / "datapath-stall.bin").unlink(missing_ok=True)
-        return {"save_s": round(time.perf_counter() - t0, 3), "save_ms": float(saved["timings"]["save_ms"])}
-
-    out["stall_llama"] = await stall_round(s, url, body(prompt + extra, A_ANSWER, id_slot=0), url, b_body, llama_save)
+    out["stall_llama"] = await stall_round(s, url, body(prompt + extra, A_ANSWER, id_slot=0), url, b_body,
+                                           llama_save(s, node))
     out["next_turn"] = await next_turn(s, url, await exact_tokens(s, url, n, seed=300 + r), extra, a.next_after_ms / 1e3)
     return out
 
@@ -483,7 +497,7 @@ async def kvtier_stall(s: aiohttp.ClientSession, cl: Cluster, redis_url: str, pr
     base = await key_counts(redis_url)
     m0 = await scrape(s, node.sidecar_url)
 
-    async def kvtier_saves() -> dict[str, Any]:
+    async def kvtier_saves(_: Stream) -> dict[str, Any]:
         t_end = time.perf_counter()
         client_s = await redis_holds(redis_url, base[0] + (len(prompt) + A_ANSWER - 1) // CHUNK_TOKENS, base[1] + 1, t_end)
         m1 = await scrape(s, node.sidecar_url)  # now: B's own save, after its answer, would count too
@@ -556,6 +570,14 @@ async def _kvtier_rep(s: aiohttp.ClientSession, cl: Cluster, redis_url: str, n: 
     stall_prompt = await exact_tokens(s, tok, n, seed=200 + r)
     b_prompt = await exact_tokens(s, tok, 64, seed=900 + r)
     out["stall_kvtier"] = await kvtier_stall(s, cl, redis_url, stall_prompt, b_prompt, a.b_tokens)
+    # llama-server's own save of the same slot, sent past the sidecar, with both sidecars and Valkey
+    # holding what this rep left them: how long llama-server takes to write a slot depends on the
+    # memory the machine has in use, and the alone rows were measured without kvtier's.
+    extra = await exact_tokens(s, tok, NEW_TOKENS, seed=980 + r)
+    out["stall_llama_beside"] = await stall_round(
+        s, node_a.llama_url, body(stall_prompt + extra, A_ANSWER), node_a.llama_url,
+        body(b_prompt, a.b_tokens, ignore_eos=True), llama_save(s, node_a))
+    await wait_idle(s, urls)
     return out
 
 
@@ -678,8 +700,11 @@ def size_rows(res: dict[str, Any], conns: list[int]) -> list[list[Any]]:
                      " / ".join(num(med(rs, "phases_ms", p)) for p in PHASES)
                      + f" ms; all before forwarding {num(med(rs, 'overhead_ms'))} ms"])
     for key, label, src in (("stall_none", "no save", al), ("stall_llama", "llama-server save", al),
+                            ("stall_llama_beside", "llama-server save, sidecars running", kv),
                             ("stall_kvtier", "kvtier save", kv)):
-        st = [x[key] for x in src]
+        st = [x[key] for x in src if key in x]
+        if not st:  # runs before the round existed
+            continue
         detail = f"p50 gap {med(st, 'p50_gap_ms')} ms, B {med(st, 'b_tps')} tok/s"
         if key != "stall_none":
             covered = sum(x["covered"] for x in st)
@@ -688,8 +713,19 @@ def size_rows(res: dict[str, Any], conns: list[int]) -> list[list[Any]]:
         if key == "stall_kvtier" and all("loop_lag" in x for x in st):
             detail += ("; sidecar loop lag >= 0.1 s: " + " / ".join(str(int(x["loop_lag"]["over_0.1s"])) for x in st)
                        + " samples, max <= " + " / ".join(f"{x['loop_lag']['max_le_s']:g}" for x in st) + " s")
+        if key == "stall_kvtier":
+            detail += "; per rep, against llama-server's save alone / beside: " + gap_ratios(al, kv)
         rows.append([run, f"user B's longest gap: {label}", med(st, "max_gap_ms"), None, None, detail])
     return rows + next_turn_rows(run, al, kv) + cpu_rows(run, al, kv, res.get("kv_per_token", 128 << 10))
+
+
+def gap_ratios(al: list[dict[str, Any]], kv: list[dict[str, Any]]) -> str:
+    """kvtier's longest gap over llama-server's own save's, per rep: measured alone, and beside
+    the sidecars in kvtier's round (``-`` where a run has no such round)."""
+    def ratio(k: dict[str, Any], ref: dict[str, Any] | None) -> str:
+        return f"{k['max_gap_ms'] / ref['max_gap_ms']:.2f}x" if ref and ref.get("max_gap_ms") else "-"
+    return ", ".join(f"{ratio(k['stall_kvtier'], a['stall_llama'])} / {ratio(k['stall_kvtier'], k.get('stall_llama_beside'))}"
+                     for a, k in zip(al, kv, strict=False))
 
 
 def next_turn_rows(run: str, al: list[dict[str, Any]], kv: list[dict[str, Any]]) -> list[list[Any]]:

@@ -278,6 +278,16 @@ def test_datapath_next_turn_rows_compare_alone_and_kvtier() -> None:
     assert datapath.next_turn_rows("8b 4,000", al, []) == []  # runs from before the phase
 
 
+def test_datapath_rates_kvtiers_gap_against_llama_servers_save_alone_and_beside_the_sidecars() -> None:
+    """Per rep, kvtier's longest gap over llama-server's own save's: measured alone, and in kvtier's
+    round past the sidecars (a row of its own); runs from before that round show ``-``."""
+    def gap(ms: float) -> dict[str, Any]:
+        return {"max_gap_ms": ms, "p50_gap_ms": 20.0, "b_tps": 40.0, "covered": True, "save_s": 0.5}
+    al = [{"stall_llama": gap(500.0)}, {"stall_llama": gap(400.0)}]
+    kv = [{"stall_kvtier": gap(600.0), "stall_llama_beside": gap(750.0)}, {"stall_kvtier": gap(600.0)}]
+    assert datapath.gap_ratios(al, kv) == "1.20x / 0.80x, 1.50x / -"
+
+
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")
 def test_datapath_rss_peaks_tell_private_memory_from_mapped_files(tmp_path: Path) -> None:
     """A private buffer raises the private peak; a mapped file's pages raise the mapped one."""
