@@ -702,10 +702,13 @@ def size_rows(res: dict[str, Any], conns: list[int]) -> list[list[Any]]:
     for key, label, src in (("stall_none", "no save", al), ("stall_llama", "llama-server save", al),
                             ("stall_llama_beside", "llama-server save, sidecars running", kv),
                             ("stall_kvtier", "kvtier save", kv)):
-        st = [x[key] for x in src if key in x]
-        if not st:  # runs before the round existed
+        rounds = [x[key] for x in src if key in x]
+        st = [x for x in rounds if key in ("stall_none", "stall_kvtier") or measured_save(x)]
+        if not st:  # runs before the round existed, or B never streamed through the save
             continue
         detail = f"p50 gap {med(st, 'p50_gap_ms')} ms, B {med(st, 'b_tps')} tok/s"
+        if len(st) < len(rounds):
+            detail += f"; {len(rounds) - len(st)} of {len(rounds)} reps left out (B started after the save)"
         if key != "stall_none":
             covered = sum(x["covered"] for x in st)
             detail += (f"; save {num(1e3 * (med(st, 'save_s') or 0))} ms, B in it {med(st, 'b_tps_during_save')} "
@@ -719,11 +722,22 @@ def size_rows(res: dict[str, Any], conns: list[int]) -> list[list[Any]]:
     return rows + next_turn_rows(run, al, kv) + cpu_rows(run, al, kv, res.get("kv_per_token", 128 << 10))
 
 
+def measured_save(round_: dict[str, Any]) -> bool:
+    """Whether B streamed through a save that began as A's answer ended (llama-server's own):
+    its first token came before A's end. Sent at A's first token, B has sometimes started only
+    after A's end (first reps at 8B): its gaps then tell nothing of that save."""
+    times = round_.get("b_times_ms") or []
+    return bool(times) and times[0] < 0
+
+
 def gap_ratios(al: list[dict[str, Any]], kv: list[dict[str, Any]]) -> str:
     """kvtier's longest gap over llama-server's own save's, per rep: measured alone, and beside
-    the sidecars in kvtier's round (``-`` where a run has no such round)."""
+    the sidecars in kvtier's round (``-`` where a run has no such round, or B started after that
+    save)."""
     def ratio(k: dict[str, Any], ref: dict[str, Any] | None) -> str:
-        return f"{k['max_gap_ms'] / ref['max_gap_ms']:.2f}x" if ref and ref.get("max_gap_ms") else "-"
+        if not ref or not ref.get("max_gap_ms") or not measured_save(ref):
+            return "-"
+        return f"{k['max_gap_ms'] / ref['max_gap_ms']:.2f}x"
     return ", ".join(f"{ratio(k['stall_kvtier'], a['stall_llama'])} / {ratio(k['stall_kvtier'], k.get('stall_llama_beside'))}"
                      for a, k in zip(al, kv, strict=False))
 

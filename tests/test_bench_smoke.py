@@ -280,12 +280,17 @@ def test_datapath_next_turn_rows_compare_alone_and_kvtier() -> None:
 
 def test_datapath_rates_kvtiers_gap_against_llama_servers_save_alone_and_beside_the_sidecars() -> None:
     """Per rep, kvtier's longest gap over llama-server's own save's: measured alone, and in kvtier's
-    round past the sidecars (a row of its own); runs from before that round show ``-``."""
-    def gap(ms: float) -> dict[str, Any]:
-        return {"max_gap_ms": ms, "p50_gap_ms": 20.0, "b_tps": 40.0, "covered": True, "save_s": 0.5}
-    al = [{"stall_llama": gap(500.0)}, {"stall_llama": gap(400.0)}]
-    kv = [{"stall_kvtier": gap(600.0), "stall_llama_beside": gap(750.0)}, {"stall_kvtier": gap(600.0)}]
-    assert datapath.gap_ratios(al, kv) == "1.20x / 0.80x, 1.50x / -"
+    round past the sidecars (a row of its own); runs from before that round, and rounds whose other
+    user started only after the save, show ``-``."""
+    def gap(ms: float, b_first_ms: float = -900.0) -> dict[str, Any]:
+        return {"max_gap_ms": ms, "p50_gap_ms": 20.0, "b_tps": 40.0, "covered": True, "save_s": 0.5,
+                "b_times_ms": [b_first_ms, b_first_ms + 25.0]}
+    al = [{"stall_llama": gap(500.0)}, {"stall_llama": gap(400.0)}, {"stall_llama": gap(400.0)}]
+    kv = [{"stall_kvtier": gap(600.0), "stall_llama_beside": gap(750.0)}, {"stall_kvtier": gap(600.0)},
+          {"stall_kvtier": gap(600.0), "stall_llama_beside": gap(900.0, b_first_ms=400.0)}]
+    assert datapath.gap_ratios(al, kv) == "1.20x / 0.80x, 1.50x / -, 1.50x / -"
+    # B's first token after A's end: that round's save came before B streamed; its gap is left out.
+    assert not datapath.measured_save(gap(900.0, b_first_ms=400.0)) and datapath.measured_save(gap(1.0))
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")
