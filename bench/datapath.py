@@ -726,8 +726,8 @@ def measured_save(round_: dict[str, Any]) -> bool:
     """Whether B streamed through a save that began as A's answer ended (llama-server's own):
     its first token came before A's end. Sent at A's first token, B has sometimes started only
     after A's end (first reps at 8B): its gaps then tell nothing of that save."""
-    times = round_.get("b_times_ms") or []
-    return bool(times) and times[0] < 0
+    times = round_.get("b_times_ms")
+    return times is None or (bool(times) and times[0] < 0)  # runs before B's times were kept: as measured
 
 
 def gap_ratios(al: list[dict[str, Any]], kv: list[dict[str, Any]]) -> str:

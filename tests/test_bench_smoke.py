@@ -291,6 +291,7 @@ def test_datapath_rates_kvtiers_gap_against_llama_servers_save_alone_and_beside_
     assert datapath.gap_ratios(al, kv) == "1.20x / 0.80x, 1.50x / -, 1.50x / -"
     # B's first token after A's end: that round's save came before B streamed; its gap is left out.
     assert not datapath.measured_save(gap(900.0, b_first_ms=400.0)) and datapath.measured_save(gap(1.0))
+    assert datapath.measured_save({"max_gap_ms": 1.0})  # a run from before B's times were kept
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")
