@@ -417,7 +417,7 @@ def test_cost_model_restores_only_when_faster() -> None:
 
 
 @pytest.mark.parametrize("fetch_gbps, restore_gbps, bytes_per_token", [
-    (10.0, 3.0, 131072),  # 8B KV from the node's RAM tier, llama-server's load at 3 GB/s
+    (10.0, 3.0, 131072),  # 8B KV fetched at 10 GB/s (a RAM tier's speed), llama-server's load at 3 GB/s
     (2.0, 3.0, 32768),  # a q8_0 8B over ~25 GbE
     (1.25, 3.0, 131072),  # 8B f16 over 10 GbE: never faster than a 10,000 tokens/s prefill
 ])
