@@ -236,19 +236,28 @@ def load_avg() -> list[float]:
 
 @dataclass
 class Stream:
-    """A streamed native completion: when each token event arrived (perf_counter), its timings and
-    the slot llama-server computed it in."""
+    """A streamed native completion: when each token event arrived (perf_counter), when its prompt
+    was computed, its timings and the slot llama-server computed it in."""
 
     times: list[float] = field(default_factory=list)
     timings: dict[str, Any] = field(default_factory=dict)
+    prompt_done: float | None = None
     end: float = 0.0
     slot: int | None = None
 
 
 async def timed_stream(s: aiohttp.ClientSession, url: str, body: dict[str, Any],
                        first: asyncio.Event | None = None) -> Stream:
+    """Stream ``body``; ``first`` is set once its prompt is computed (its first token is then sampled).
+
+    That moment comes from llama-server's progress events, not from the first token's: llama-server
+    holds a token back while the text so far ends in an unfinished UTF-8 character, and a generated
+    model's greedy answer can repeat such a token to its end (8B shape, 4,000 tokens, seed 200: no
+    token event before the last), which would start the other user only at A's end.
+    """
     out = Stream()
-    async with s.post(url + "/completion", json={**body, "stream": True}) as r:
+    progress = {"return_progress": True} if first is not None else {}
+    async with s.post(url + "/completion", json={**body, "stream": True, **progress}) as r:
         if r.status != 200:
             raise RuntimeError(f"{url}: HTTP {r.status}: {(await r.text())[:300]}")
         buf = b""
@@ -260,6 +269,13 @@ async def timed_stream(s: aiohttp.ClientSession, url: str, body: dict[str, Any],
                 if not event.startswith(b"data: ") or event.strip() == b"data: [DONE]":
                     continue
                 data = json.loads(event[6:])
+                done = prompt_computed(data)
+                if done is not None:
+                    if done and out.prompt_done is None:
+                        out.prompt_done = now
+                        if first is not None:
+                            first.set()
+                    continue
                 if not data.get("stop"):
                     out.times.append(now)
                     if first is not None:
@@ -268,6 +284,15 @@ async def timed_stream(s: aiohttp.ClientSession, url: str, body: dict[str, Any],
                 out.slot = data.get("id_slot", out.slot)
     out.end = time.perf_counter()
     return out
+
+
+def prompt_computed(event: dict[str, Any]) -> bool | None:
+    """For a progress event (``return_progress``): whether the whole prompt is computed; None for
+    any other event."""
+    progress = event.get("prompt_progress")
+    if not isinstance(progress, dict):
+        return None
+    return bool(progress.get("total")) and progress.get("processed") == progress.get("total")
 
 
 def body(prompt: list[int], n_predict: int, **extra: Any) -> dict[str, Any]:

@@ -294,6 +294,18 @@ def test_datapath_rates_kvtiers_gap_against_llama_servers_save_alone_and_beside_
     assert datapath.measured_save({"max_gap_ms": 1.0})  # a run from before B's times were kept
 
 
+def test_datapath_starts_the_other_user_at_a_progress_event_not_at_a_token() -> None:
+    """A's prompt counts as computed at llama-server's last progress event (processed = total), which
+    comes even when its tokens are held back; token events and earlier progress are not it."""
+    def progress(processed: int, total: int = 4000) -> dict[str, Any]:
+        return {"content": "", "stop": False, "prompt_progress": {"total": total, "cache": 0,
+                                                                   "processed": processed, "time_ms": 1}}
+    assert datapath.prompt_computed(progress(4000)) is True
+    assert datapath.prompt_computed(progress(0)) is False and datapath.prompt_computed(progress(2048)) is False
+    assert datapath.prompt_computed(progress(0, total=0)) is False
+    assert datapath.prompt_computed({"content": "a", "stop": False}) is None
+
+
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc (Linux)")
 def test_datapath_rss_peaks_tell_private_memory_from_mapped_files(tmp_path: Path) -> None:
     """A private buffer raises the private peak; a mapped file's pages raise the mapped one."""
