@@ -14,6 +14,14 @@ host), and the request sent after it waits for the next batch too, where the sam
 recomputed waits once and joins that batch. A restore's wait in the queue is learned by the same
 levels and added to a restore decision at that level, whose recompute is priced at that level's rate.
 
+The rate is learned apart by a prompt's length as well (``LENGTH_BOUNDS``), and a recompute of n
+tokens is priced at the rate of prompts about as long. One rate over all prompts mixes a node's
+short follow-ups with its long prompts, and they differ most where it matters: on a GPU a short
+prompt is bound by fixed costs per batch (a 40-token follow-up at a tenth of a long prompt's
+tokens/s), so a rate learned mostly from follow-ups would price a long recompute several times too
+high and choose restores that are slower than llama-server computing the prompt itself. On a CPU
+with attention-bound models, a long prompt runs slower per token than a short one.
+
 Rates are exponentially weighted moving averages of what this node measured, starting from
 priors. A restore is chosen only when it is predicted to be clearly faster (``margin``), so a
 short prefix or a fast GPU prefill is recomputed.
@@ -21,6 +29,7 @@ short prefix or a fast GPU prefill is recomputed.
 
 from __future__ import annotations
 
+import bisect
 import threading
 import time
 from collections.abc import Callable
@@ -59,6 +68,9 @@ class CostModel:
     # the first save back a little longer (``aftercare.save_pause``); the first write replaces it.
     SLOT_WRITE_PRIOR_BPS = 1e9
     SHARING_LEVELS = 4  # prefill rates learned apart beside 0, 1, 2, and 3 or more computing slots
+    # ...and by length: prompts of 32-127, 128-511, 512-2,047 and 2,048 or more tokens computed.
+    LENGTH_BOUNDS = (128, 512, 2048)
+    LENGTH_LABELS = ("32-127", "128-511", "512-2047", "2048+")  # the metric's names for them
     # A learned queue wait halves every this many seconds without a new sample: a wait priced in
     # stops restores at its level, and so its own samples, and a long one (a batch of a long prompt)
     # must not stop them for good; the next restore at that level measures it again.
@@ -68,6 +80,9 @@ class CostModel:
                  min_tokens: int = 0, clock: Callable[[], float] = time.monotonic):
         self.prefill_tps = Ewma(prefill_tps)
         self.prefill_shared = [Ewma(0.0) for _ in range(self.SHARING_LEVELS)]  # no prior: measured only
+        # By length, one row per level and a last one over all levels; measured only.
+        self.prefill_by_length = [[Ewma(0.0) for _ in range(len(self.LENGTH_BOUNDS) + 1)]
+                                  for _ in range(self.SHARING_LEVELS + 1)]
         self.fetch_bps: dict[str, Ewma] = {}
         self.restore_bps = Ewma(restore_gbps * 1e9)
         self.readable_s_per_token = Ewma(0.0)  # no prior: unknown until this node's first save lands
@@ -84,16 +99,39 @@ class CostModel:
         """A prompt of ``tokens`` computed in ``ms``, begun beside ``sharing`` other computing slots."""
         # Tiny prefills are dominated by fixed costs and would teach a wrong rate.
         if tokens >= 32 and ms > 0:
+            rate, level, length = tokens / (ms / 1000), min(max(sharing, 0), self.SHARING_LEVELS - 1), \
+                bisect.bisect_right(self.LENGTH_BOUNDS, tokens)
             with self._lock:
-                self.prefill_tps.update(tokens / (ms / 1000))
-                self.prefill_shared[min(max(sharing, 0), self.SHARING_LEVELS - 1)].update(tokens / (ms / 1000))
+                self.prefill_tps.update(rate)
+                self.prefill_shared[level].update(rate)
+                self.prefill_by_length[level][length].update(rate)
+                self.prefill_by_length[-1][length].update(rate)
 
-    def prefill_rate(self, sharing: int) -> float:
+    def prefill_rate(self, sharing: int | None, tokens: int | None = None) -> float:
         """Tokens/s of a prompt begun beside ``sharing`` computing slots: as measured at that level,
-        else at the nearest level below it measured, else the rate over all prompts."""
+        else at the nearest level below it measured, else the rate over all prompts (``None``: over
+        all levels). With ``tokens``, the rate of that level's prompts nearest that long measured
+        (the longer of two as near)."""
         with self._lock:
-            level = self._level(self.prefill_shared, sharing)
-            return self.prefill_tps.value if level is None else self.prefill_shared[level].value
+            level = None if sharing is None else self._level(self.prefill_shared, sharing)
+            if level is None and sharing is not None:
+                return self.prefill_tps.value  # nothing measured at any level
+            overall = self.prefill_tps if level is None else self.prefill_shared[level]
+            if tokens is None:
+                return overall.value
+            row = self.prefill_by_length[-1 if level is None else level]
+            return self._nearest_length(row, bisect.bisect_right(self.LENGTH_BOUNDS, tokens), overall).value
+
+    @staticmethod
+    def _nearest_length(row: list[Ewma], length: int, otherwise: Ewma) -> Ewma:
+        measured = [i for i, rate in enumerate(row) if rate.samples]
+        if not measured:
+            return otherwise
+        return row[min(measured, key=lambda i: (abs(i - length), -i))]
+
+    def recompute_s(self, tokens: int, sharing: int | None = None) -> float:
+        """Seconds to compute ``tokens`` prompt tokens begun beside ``sharing`` computing slots."""
+        return tokens / self.prefill_rate(sharing, tokens) if tokens > 0 else 0.0
 
     def observe_queue_wait(self, sharing: int, seconds: float) -> None:
         """A restore waited ``seconds`` in llama-server's queue, sent beside ``sharing`` computing slots."""
@@ -167,20 +205,22 @@ class CostModel:
         smaller gain the restore is cheaper but the recompute more so (both are linear)."""
         if gain <= 0 or gain < self.min_tokens:
             return False
+        # The slowest rate a decision on any gain up to this one would price its recompute at.
+        lengths = (min(gain, 32), *(bound for bound in self.LENGTH_BOUNDS if bound <= gain))
+        rate = min(self.prefill_rate(None, length) for length in lengths)
         with self._lock:
             fastest = max([self._fetch_prior, *(e.value for e in self.fetch_bps.values())])
             nbytes = n_tokens * bytes_per_token
             restore = self.FIXED_OVERHEAD_S + nbytes / fastest + nbytes / self.restore_bps.value
-            return restore < gain / self.prefill_tps.value * self.margin
+            return restore < gain / rate * self.margin
 
     def decide(self, tokens: int, bytes_by_tier: dict[str, int], sharing: int | None = None) -> Decision:
         """Should ``tokens`` be restored (reading ``bytes_by_tier``) instead of recomputed? With
         ``sharing`` (other slots computing), the restore's queue wait and the prefill rate at that
         level count; without it, the rates over all prompts and no wait."""
-        rate = self.prefill_tps.value if sharing is None else self.prefill_rate(sharing)
+        recompute = self.recompute_s(tokens, sharing)
         wait = 0.0 if sharing is None else self.queue_wait(sharing)
         with self._lock:
-            recompute = tokens / rate
             total = sum(bytes_by_tier.values())
             fetch = sum(n / self.fetch_bps.get(t, Ewma(self._fetch_prior)).value for t, n in bytes_by_tier.items())
             restore = self.FIXED_OVERHEAD_S + fetch + total / self.restore_bps.value + wait

@@ -112,15 +112,14 @@ def choose_route(n_tokens: int, here_cached: int, found_tokens: int, found_bytes
         local_sharing: requests the prompt would be computed beside here (``fleet.sharing``).
         in_flight: requests already forwarded to each peer and not answered.
     """
-    rate = cost.prefill_rate(local_sharing)
     here_restores = 0
-    here_s = (n_tokens - here_cached) / rate
+    here_s = cost.recompute_s(n_tokens - here_cached, local_sharing)
     gain = found_tokens - here_cached
     if gain > 0:
         decision = cost.decide(gain, found_bytes)
         if decision.restore:
             here_restores = gain
-            here_s = decision.predicted_restore_s + (n_tokens - found_tokens) / rate
+            here_s = decision.predicted_restore_s + cost.recompute_s(n_tokens - found_tokens, local_sharing)
     here_s += local_wait
     best: PeerHeat | None = None
     best_s = float("inf")
@@ -128,8 +127,9 @@ def choose_route(n_tokens: int, here_cached: int, found_tokens: int, found_bytes
         if peer.hot_tokens <= here_cached:
             continue
         extra = (in_flight or {}).get(peer.status.node, 0)
-        peer_rate = cost.prefill_rate(peer.status.sharing(extra))  # nodes alike: this node's rates stand for theirs
-        peer_s = FORWARD_OVERHEAD_S + peer.status.wait_s(extra) + (n_tokens - peer.hot_tokens) / peer_rate
+        # Nodes alike: this node's rates stand for theirs.
+        peer_s = FORWARD_OVERHEAD_S + peer.status.wait_s(extra) + \
+            cost.recompute_s(n_tokens - peer.hot_tokens, peer.status.sharing(extra))
         if peer_s < best_s:
             best, best_s = peer, peer_s
     if best is None or best_s + FORWARD_MIN_GAIN_S > here_s:

@@ -97,6 +97,14 @@ class _PrefillCollector:
             if rate.samples:
                 rates.add_metric([str(level)], rate.value)
         yield rates
+        by_length = GaugeMetricFamily("kvtier_prefill_length_tokens_per_second", "The prefill rate the cost model "
+                                      "learned for prompts of `tokens` tokens computed, beside any number of slots "
+                                      "(a recompute is priced at the rate of prompts about as long)",
+                                      labels=["tokens"])
+        for label, rate in zip(self.cost.LENGTH_LABELS, self.cost.prefill_by_length[-1], strict=True):
+            if rate.samples:
+                by_length.add_metric([label], rate.value)
+        yield by_length
 
 
 class _QueueCollector:

@@ -50,4 +50,4 @@ async def test_a_restore_beside_a_computing_slot_teaches_its_queue_wait(redis_sr
         # recompute at the rate measured beside one computing slot (the long prompt's, or all prompts').
         alone, busy = cost.decide(600, {"redis": 600 * 23040}, 0), cost.decide(600, {"redis": 600 * 23040}, 1)
         assert busy.predicted_restore_s == pytest.approx(alone.predicted_restore_s + cost.queue_wait(1), rel=0.01)
-        assert busy.predicted_recompute_s == pytest.approx(600 / cost.prefill_rate(1))
+        assert busy.predicted_recompute_s == pytest.approx(600 / cost.prefill_rate(1, 600))

@@ -240,6 +240,11 @@ async def test_a_node_learns_its_prefill_rate_beside_its_computing_slots(
     assert after[0] == before[0] + 1 and after[1] == before[1] + 1, (before, after)
     assert cost.prefill_rate(1) == cost.prefill_shared[1].value
     assert a.metric("kvtier_prefill_tokens_per_second", beside="1") == cost.prefill_shared[1].value
+    # ...and by length, over all levels (what a recompute of about as many tokens is priced at).
+    by_length = {label: rate.value for label, rate in zip(cost.LENGTH_LABELS, cost.prefill_by_length[-1],
+                                                          strict=True) if rate.samples}
+    assert by_length and all(a.metric("kvtier_prefill_length_tokens_per_second", tokens=label) == value
+                             for label, value in by_length.items()), by_length
 
 
 @pytest.fixture

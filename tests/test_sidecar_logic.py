@@ -442,6 +442,37 @@ def test_a_gpu_class_prefill_rate_restores_exactly_past_the_crossover(
         assert cost.decide(at + 1, {"redis": (at + 1) * bytes_per_token}).restore
 
 
+def test_a_recompute_is_priced_at_the_rate_of_prompts_about_as_long() -> None:
+    """A GPU node's short follow-ups (fixed costs per batch: 40 tokens in 15 ms) and long prompts
+    (4,000 in 0.25 s) teach different rates. A 4,000-token recompute is priced at the long prompts'
+    rate, so an 8B prefix over 10 GbE (0.6 s to restore) is recomputed, as llama-server alone would;
+    the rate over all prompts, mostly follow-ups, would have priced it at 1.5 s and restored it."""
+    cost = CostModel(prefill_tps=300, restore_gbps=0.5, margin=0.8)
+    cost.observe_fetch("redis", 1 << 30, (1 << 30) / 1.25e9)
+    cost.observe_restore(1 << 30, (1 << 30) / 3e9)
+    for step in range(40):  # an agent: a long prompt, then nine follow-ups, four times
+        if step % 10 == 0:
+            cost.observe_prefill(4000, 250.0)
+        else:
+            cost.observe_prefill(40, 15.0)
+    nbytes = {"redis": 4000 * 131072}
+    decision = cost.decide(4000, nbytes)
+    assert decision.predicted_recompute_s == pytest.approx(0.25)
+    assert not decision.restore and decision.predicted_restore_s == pytest.approx(0.604, abs=0.01), decision
+    assert 4000 / cost.prefill_rate(None) * cost.margin > decision.predicted_restore_s  # what one rate would do
+    assert cost.recompute_s(40) == pytest.approx(0.015)  # a follow-up at the follow-ups' rate
+    # Lengths not measured take the nearest measured (the longer of two as near): 300 tokens, the
+    # follow-ups'; 1,000, the long prompts'.
+    assert cost.prefill_rate(None, 300) == pytest.approx(40 / 0.015)
+    assert cost.prefill_rate(None, 1000) == pytest.approx(16_000)
+    # By level as before: beside one computing slot, nothing measured there, the level below.
+    assert cost.recompute_s(4000, sharing=1) == pytest.approx(0.25)
+    # No lookup is spared that a decision on a smaller gain would have restored.
+    for gain in (40, 300, 1000, 4000):
+        if not cost.could_restore(gain, 4000, 131072):
+            assert not any(cost.decide(g, {"redis": (4000 - gain + g) * 131072}).restore for g in range(1, gain + 1))
+
+
 def test_a_lookup_is_spared_when_no_prefix_could_be_restored() -> None:
     cpu = CostModel(prefill_tps=200, restore_gbps=1.0)
     # The slot holds 2,048 of 2,060 tokens: restoring all 2,060 never beats computing 12.
