@@ -113,6 +113,10 @@ async def test_a_turn_on_the_wrong_node_is_forwarded_where_it_is_hot(
     assert all(f.status == 200 for f in firsts) and firsts[0].content == firsts[1].content
     assert firsts[1].restored == 0 and firsts[1].prompt_n > 10 * CHUNK  # t2 did not get t1's slot
     await until(lambda: _async(hot_fields(r, "a") >= 2 * 10), what="A publishes both slots")
+    # Both first turns' saves in Redis: what B would restore instead of forwarding (else a slow
+    # save leaves B nothing to weigh, and no bytes are counted as not moved).
+    await a.engine.drain(30)
+    assert await a.store.flush(30)
     # The reference: t1's next turn sent straight to A, where its slot holds the history.
     reference = await post(url_a, turn_two(firsts[0]), headers={**AUTH, "X-KVTier-Salt": "t1"})
     assert reference.status == 200 and reference.prompt_n < CHUNK
