@@ -236,12 +236,11 @@ def load_avg() -> list[float]:
 
 @dataclass
 class Stream:
-    """A streamed native completion: when each token event arrived (perf_counter), when its prompt
-    was computed, its timings and the slot llama-server computed it in."""
+    """A streamed native completion: when each token event arrived (perf_counter), its timings and
+    the slot llama-server computed it in."""
 
     times: list[float] = field(default_factory=list)
     timings: dict[str, Any] = field(default_factory=dict)
-    prompt_done: float | None = None
     end: float = 0.0
     slot: int | None = None
 
@@ -270,11 +269,9 @@ async def timed_stream(s: aiohttp.ClientSession, url: str, body: dict[str, Any],
                     continue
                 data = json.loads(event[6:])
                 done = prompt_computed(data)
-                if done is not None:
-                    if done and out.prompt_done is None:
-                        out.prompt_done = now
-                        if first is not None:
-                            first.set()
+                if done is not None:  # a progress event (asked for only with ``first``)
+                    if done and first is not None:
+                        first.set()
                     continue
                 if not data.get("stop"):
                     out.times.append(now)

@@ -100,7 +100,7 @@ class CostModel:
         # Tiny prefills are dominated by fixed costs and would teach a wrong rate.
         if tokens >= 32 and ms > 0:
             rate, level, length = tokens / (ms / 1000), min(max(sharing, 0), self.SHARING_LEVELS - 1), \
-                bisect.bisect_right(self.LENGTH_BOUNDS, tokens)
+                self._length(tokens)
             with self._lock:
                 self.prefill_tps.update(rate)
                 self.prefill_shared[level].update(rate)
@@ -120,7 +120,12 @@ class CostModel:
             if tokens is None:
                 return overall.value
             row = self.prefill_by_length[-1 if level is None else level]
-            return self._nearest_length(row, bisect.bisect_right(self.LENGTH_BOUNDS, tokens), overall).value
+            return self._nearest_length(row, self._length(tokens), overall).value
+
+    @classmethod
+    def _length(cls, tokens: int) -> int:
+        """The length bucket of a prompt of ``tokens`` computed (an index into ``LENGTH_LABELS``)."""
+        return bisect.bisect_right(cls.LENGTH_BOUNDS, tokens)
 
     @staticmethod
     def _nearest_length(row: list[Ewma], length: int, otherwise: Ewma) -> Ewma:
