@@ -20,6 +20,7 @@ from tiers.sessions import SessionStore
 from tiers.store import TieredStore
 from tiers.threads import in_thread
 
+from .costmodel import CostModel
 from .heap import release_holes
 from .metrics import Metrics
 from .planner import RestorePlanner
@@ -72,6 +73,24 @@ def save_pause(write_s: float | None, step_gap: float | None = None) -> float:
     if step_gap is not None and step_gap < FOLLOW_UP_PAUSE_MAX_S:
         scaled = max(scaled, min(FOLLOW_UP_PAUSE_MAX_S, FOLLOW_UP_PAUSE_GAPS * step_gap))
     return max(SAVE_DELAY_S, scaled)
+
+
+def end_cheaper(plan: RequestPlan, answer: bytes | None, saver: Saver, cost: CostModel) -> bool:
+    """Whether a request of the same tenant waiting for the slot that ``plan`` answered on keeps all
+    the prompt it answered but an end (the same document or history with another last question: an
+    answer regenerated, a last message edited, questions on one text one after another), and
+    recomputing that end and the answer costs less than waiting for llama-server to write the slot.
+    Without the save, a return of this prompt recomputes them (llama-server alone would recompute
+    all it does not hold); the wait for the save would be paid at once, by the request waiting."""
+    table, slot = plan.lease.table, plan.lease.slot
+    kept = table.kept_by_waiter(slot)
+    held = table.held_about(slot)
+    write = saver.expected_write(held)
+    if not kept or write is None:
+        return False
+    timings = Timings.from_answer(answer) if answer is not None else None
+    dropped = held - kept + (timings.predicted_n if timings is not None else 0)
+    return cost.recompute_s(dropped) < write
 
 
 class Aftercare:
@@ -196,7 +215,7 @@ class Aftercare:
         await self._paused(plan, ok)
         # A request waiting for the slot takes it, and is sent on, before the answer is read (the
         # yield): reading it is off that request's path.
-        if skipped := self._skip(plan, ok, free, known=self.watcher.confirmed):
+        if skipped := self._skip(plan, ok, answer, free, known=self.watcher.confirmed):
             await asyncio.sleep(0)
         if answer is not None:
             self._learn(plan, answer)
@@ -213,7 +232,7 @@ class Aftercare:
         if await self._server_changed(plan):
             table.forget(lease.slot)
             return False
-        if self._skip(plan, ok, free, known=True):
+        if self._skip(plan, ok, answer, free, known=True):
             return False
 
         def read() -> None:
@@ -262,17 +281,25 @@ class Aftercare:
         lease = plan.lease
         return save_pause(self.saver.expected_write(lease.table.held_about(lease.slot)), plan.step_gap)
 
-    def _skip(self, plan: RequestPlan, ok: bool, free: Callable[[], None], *, known: bool) -> bool:
-        """Skip the save when the conversation's next request (or the same prompt again) already
-        waits for this slot: llama-server alone would serve it from the slot at once. Its own save
-        stores all this one would, and more; saving now would only make it wait (and stall the
-        others). ``known``: llama-server is known to be the process the request was planned for."""
+    def _skip(self, plan: RequestPlan, ok: bool, answer: bytes | None, free: Callable[[], None], *,
+              known: bool) -> bool:
+        """Skip the save when a request of the same tenant already waits for this slot that
+        repeats or continues the prompt it answered (its own save stores all this one would, and
+        more), or keeps all of it but an end cheaper to recompute than the save's write
+        (``end_cheaper``): llama-server alone serves either from the slot at once, and saving
+        now would only make it wait (and stall the others). ``known``: llama-server is known to
+        be the process the request was planned for."""
         lease = plan.lease
-        if not (known and ok and plan.session_id is None and self.watcher.generation == plan.generation
-                and lease.table.awaited(lease.slot)):
+        if not (known and ok and plan.session_id is None and self.watcher.generation == plan.generation):
+            return False
+        if lease.table.awaited(lease.slot):
+            self.metrics.saves_skipped.inc()
+        elif end_cheaper(plan, answer, self.saver, self.planner.cost):
+            self.metrics.saves_skipped.inc()
+            self.metrics.saves_skipped_ends.inc()
+        else:
             return False
         lease.table.skip_save(lease.slot, plan.asked)
-        self.metrics.saves_skipped.inc()
         free()
         return True
 

@@ -31,14 +31,6 @@ from .asked import Asked, continues, follows
 LIVE_S = 600.0
 
 
-def _continues_answer(answered: tuple[np.ndarray, str], slot: int, fut: asyncio.Future[Any], tokens: np.ndarray,
-                      want: int | None, owner: str) -> bool:
-    """Whether a waiter (its future, prompt, wanted slot and tenant) repeats or continues the prompt
-    ``slot`` answered, for the same tenant."""
-    return (not fut.done() and owner == answered[1] and want in (None, slot)
-            and common_prefix(answered[0], tokens) == answered[0].size)
-
-
 @dataclass(slots=True)
 class Slot:
     """What kvtier knows of one slot (written by its ``SlotTable`` only)."""
@@ -198,8 +190,17 @@ class SlotRecords:
             return False
         if any(follows(record.answered_asked, a) for a in record.followers):
             return True
-        return record.answered is not None and any(
-            _continues_answer(record.answered, slot, *entry) for entry in self._waiters)
+        return record.answered is not None and self.kept_by_waiter(slot) == record.answered[0].size
+
+    def kept_by_waiter(self, slot: int) -> int:
+        """The most of the prompt ``slot`` answered that a request of the same tenant waiting for
+        it keeps (their common prefix), while its save runs; 0 when none waits."""
+        record = self.slots[slot]
+        if not record.saving or record.answered is None:
+            return 0
+        answered, owner = record.answered
+        return max((common_prefix(answered, tokens) for fut, tokens, want, waiter in self._waiters
+                    if not fut.done() and waiter == owner and want in (None, slot)), default=0)
 
     def wanted(self, slot: int) -> bool:
         """Whether a request waits that ``slot`` could serve (it asked for that slot, or any)."""

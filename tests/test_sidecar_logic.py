@@ -160,6 +160,32 @@ async def test_a_slot_saving_a_shorter_prompt_than_it_held_before_is_hot_with_th
     assert (lease.slot, lease.cached_tokens) == (answering.slot, 300)
 
 
+async def test_a_waiter_keeps_the_answered_prompt_up_to_where_its_own_prompt_differs() -> None:
+    # What a request waiting for a saving slot keeps of the prompt it answered: their common
+    # prefix, for the same tenant, when it may take that slot. A skipped save loses the rest.
+    table = SlotTable(1)
+    prompt = np.arange(5000, 5300, dtype=np.int32)
+    answering = await table.acquire(prompt, owner="t")
+    table.begin_save(answering.slot, (prompt, "t"))
+    assert table.kept_by_waiter(answering.slot) == 0  # no one waits
+    sibling = np.concatenate([prompt[:280], np.arange(9000, 9012, dtype=np.int32)])  # another last question
+    other_tenant = asyncio.ensure_future(table.acquire(prompt, owner="u"))
+    await asyncio.sleep(0)
+    assert table.kept_by_waiter(answering.slot) == 0  # another tenant's tokens keep nothing
+    waiting = asyncio.ensure_future(table.acquire(sibling, owner="t"))
+    await asyncio.sleep(0)
+    assert table.kept_by_waiter(answering.slot) == 280
+    assert not table.awaited(answering.slot)  # it does not hold all the answered prompt
+    again = asyncio.ensure_future(table.acquire(prompt, owner="t"))
+    await asyncio.sleep(0)
+    assert table.kept_by_waiter(answering.slot) == 300 and table.awaited(answering.slot)
+    again.cancel()
+    waiting.cancel()
+    await asyncio.sleep(0)
+    assert table.kept_by_waiter(answering.slot) == 0  # those that left keep nothing
+    other_tenant.cancel()
+
+
 async def test_a_repeat_waits_untokenized_for_the_slot_whose_save_has_not_read_it() -> None:
     table = SlotTable(2)
     prompt = np.arange(5000, 5300, dtype=np.int32)
