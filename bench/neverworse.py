@@ -9,6 +9,10 @@ llama-server alone (same flags, its host-memory prompt cache ``--cache-ram`` at 
 - ``abort_reprompt``: a streamed answer the client closes after ``--abort-after`` tokens, then the
   same ~``--prefix`` token prefix with a new ending (a user pressing stop, an agent cancelling), on
   the same node and on another node. The share of the prefix reused (not computed again).
+- ``sibling_at_once``: a question on a ~``--prefix`` token text, then at once another question on the
+  same text (an answer regenerated, a last message edited, questions on one document one after
+  another). TTFT of the second, which llama-server alone serves from the slot; kvtier waits for the
+  first answer's save only when the end that save alone keeps costs more to recompute than its write.
 - ``agent_subagents``: three agents at once, each growing a main thread in four steps, then running
   two sub-agent windows of their own, then a short finalize on the main thread, with at most four
   requests in flight (``--agent-rounds`` such rounds, one after the other). Finalize TTFT over the
@@ -29,6 +33,7 @@ import contextlib
 import multiprocessing
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -52,7 +57,7 @@ from .common import (
     write_json,
 )
 
-SCENARIOS = ("repeat_at_once", "abort_reprompt", "agent_subagents")
+SCENARIOS = ("repeat_at_once", "abort_reprompt", "sibling_at_once", "agent_subagents")
 # llama-server alone and kvtier on identical flags (llama-server's prompt cache at its default); and
 # kvtier with that cache off (the README's flags where tenants share a server).
 MODES = ("alone", "kvtier", "kvtier-cache-ram-0")
@@ -94,6 +99,19 @@ async def repeat_at_once(s: aiohttp.ClientSession, url: str, prefix: int, reps: 
         again = await chat(s, url, messages, 16)  # the moment the first answer ended
         rows.append({"rep": r, "first_ttft_ms": first.ttft_ms, "repeat_ttft_ms": again.ttft_ms,
                      "repeat_computed": again.recomputed_tokens, "prompt_tokens": again.prompt_tokens})
+    return rows
+
+
+async def sibling_at_once(s: aiohttp.ClientSession, url: str, prefix: int, reps: int) -> list[dict[str, Any]]:
+    rows = []
+    for r in range(reps):
+        doc = "Answer from these records. " + document(prefix, 110 + r)
+        first = await complete(s, url, f"{doc}\nQuestion: {QUESTIONS[r % len(QUESTIONS)]}\nAnswer:", 8)
+        other = QUESTIONS[(r + 1) % len(QUESTIONS)]
+        sibling = await complete(s, url, f"{doc}\nQuestion: {other}\nAnswer:", 8)  # the moment the first ended
+        rows.append({"rep": r, "first_ttft_ms": first.ttft_ms, "sibling_ttft_ms": sibling.ttft_ms,
+                     "sibling_computed": sibling.recomputed_tokens, "prompt_tokens": sibling.prompt_tokens})
+        await asyncio.sleep(1.0)  # the next rep's text starts apart, after this one's saves
     return rows
 
 
@@ -171,13 +189,15 @@ async def run_mode(a: argparse.Namespace, mode: str, redis_url: str) -> dict[str
     await redis_flush(redis_url)
     out: dict[str, Any] = {}
     with cluster(2, llama_args(a.ctx, a.threads, a.slots, mode), sidecar=sidecar,
-                 redis_url=redis_url if sidecar else None) as cl:
+                 redis_url=redis_url if sidecar else None, model=a.model) as cl:
         async with client_session() as s:
             urls = [cl.url(0), cl.url(1)]
             if "repeat_at_once" in a.scenarios:
                 out["repeat_at_once"] = await repeat_at_once(s, urls[0], a.prefix, a.reps)
             if "abort_reprompt" in a.scenarios:
                 out["abort_reprompt"] = await abort_reprompt(s, urls, cl.llama_url(0), a.prefix, a.reps, a.abort_after)
+            if "sibling_at_once" in a.scenarios:
+                out["sibling_at_once"] = await sibling_at_once(s, urls[0], a.prefix, a.reps)
             if "agent_subagents" in a.scenarios:
                 out["agent_subagents"] = await agent_subagents(s, urls[1], a.main_tokens, a.sub_tokens, a.agent_rounds)
             if sidecar:  # what each sidecar did before forwarding: its own time, and identity checks waited for
@@ -189,7 +209,8 @@ async def sidecar_figures(s: aiohttp.ClientSession, url: str) -> dict[str, float
     m = await scrape(s, url)
     return {name: metric(m, name) for name in (
         "kvtier_overhead_seconds_count", "kvtier_overhead_seconds_sum", "kvtier_server_checks_seconds_count",
-        "kvtier_server_checks_seconds_sum", "kvtier_saves_skipped_total", "kvtier_follow_ups_total")}
+        "kvtier_server_checks_seconds_sum", "kvtier_saves_skipped_total", "kvtier_saves_skipped_ends_total",
+        "kvtier_follow_ups_total")}
 
 
 def summarize(results: dict[str, dict[str, Any]]) -> list[list[Any]]:
@@ -207,6 +228,10 @@ def summarize(results: dict[str, dict[str, Any]]) -> list[list[Any]]:
                 rows.append([load, name, mode, "repeat TTFT ms (p50)",
                              percentile([x["repeat_ttft_ms"] for x in data], 50),
                              percentile([x["repeat_computed"] for x in data], 50)])
+            elif name == "sibling_at_once":
+                rows.append([load, name, mode, "sibling TTFT ms (p50)",
+                             percentile([x["sibling_ttft_ms"] for x in data], 50),
+                             percentile([x["sibling_computed"] for x in data], 50)])
             elif name == "abort_reprompt":
                 for where in ("same node", "other node"):
                     part = [x for x in data if x["where"] == where]
@@ -226,11 +251,13 @@ def md_neverworse(data: dict[str, Any], md_table: Any) -> str:
     """The section of docs/benchmarks.md for a result file of this benchmark."""
     st = data["settings"]
     head = (f"\n### `python -m bench neverworse`\n\nllama-server `-np {st['slots']} -c {st['ctx']} -t {st['threads']}` "
-            f"(its `--cache-ram` at the default, 8 GiB, but in mode *kvtier-cache-ram-0*), 2 nodes, kvtier on an "
+            f"(its `--cache-ram` at the default, 8 GiB, but in mode *kvtier-cache-ram-0*), "
+            f"{Path(st['model']).name if st.get('model') else 'SmolLM2'}, 2 nodes, kvtier on an "
             f"embedded Valkey; {st['reps']} reps; *loaded*: one process spinning on a core beside the nodes. "
             f"`repeat_at_once`: a chat of ~{st['prefix']} tokens sent again the moment its answer ends; "
             f"`abort_reprompt`: a stream left after {st['abort_after']} tokens, then the same prefix with a new "
-            f"question, on the same node and on the other; `agent_subagents`: "
+            f"question, on the same node and on the other; `sibling_at_once`: a question on a ~{st['prefix']}-"
+            f"token text, then at once another on the same text; `agent_subagents`: "
             f"{st.get('agent_rounds', 1)} round(s) of three agents, each a "
             f"~{st['main_tokens']}-token main thread in four steps, two ~{st['sub_tokens']}-token sub-agent windows, "
             f"then a short finalize on the main thread, at most four requests at once. Medians; "
@@ -248,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ctx", type=int, default=16384, help="llama-server -c (shared by its slots)")
     p.add_argument("--prefix", type=int, default=1500, help="tokens of the repeated and the aborted prefix")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--model", help="GGUF for every node (default SmolLM2; a generated 8B-shaped model shows "
+                                   "what a save's write costs at real KV sizes)")
     p.add_argument("--abort-after", type=int, default=64)
     p.add_argument("--main-tokens", type=int, default=2000)
     p.add_argument("--sub-tokens", type=int, default=1500)
@@ -272,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarize(results)
     print_table("Never worse than llama-server alone (same flags, default --cache-ram)",
                 ["load", "scenario", "mode", "figure", "value", "tokens computed (p50)"], rows)
-    console.print("tokens computed: of the repeat; of the prefix (abort_reprompt); of the finalize")
+    console.print("tokens computed: of the repeat; of the prefix (abort_reprompt); of the sibling; of the finalize")
     write_json(a.json, {"benchmark": "neverworse", "settings": {k: v for k, v in vars(a).items() if k != "json"},
                         "minutes": round((time.time() - started) / 60, 1), "results": results,
                         "table": [dict(zip(["load", "scenario", "mode", "figure", "value", "computed"], r, strict=True))

@@ -193,6 +193,7 @@ def test_neverworse_rows_and_their_section() -> None:
                                                                               "repeat_computed": 3}],
             "abort_reprompt": [{"where": w, "reused_share": 0.99, "prefix_tokens": 1500, "reused_tokens": 1490}
                                for w in ("same node", "other node")],
+            "sibling_at_once": [{"sibling_ttft_ms": t, "sibling_computed": 12} for t in (300.0, 500.0, 400.0)],
             "agent_subagents": [{"finalize_ratio": 0.1, "finalize_ttft_ms": 900.0, "finalize_computed": 20}]}
     sidecars = [{"kvtier_server_checks_seconds_count": n, "kvtier_server_checks_seconds_sum": n * 0.5}
                 for n in (1.0, 2.0)]
@@ -201,6 +202,7 @@ def test_neverworse_rows_and_their_section() -> None:
     assert ["loaded", "all", "kvtier-cache-ram-0", "identity checks requests waited for: count; ms in all",
             "3; 1,500", None] in rows
     assert ["loaded", "abort_reprompt (other node)", "kvtier-cache-ram-0", "prefix reused (p50)", 0.99, 10] in rows
+    assert ["quiet", "sibling_at_once", "alone", "sibling TTFT ms (p50)", 400.0, 12] in rows
     settings = {"slots": 4, "ctx": 16384, "threads": 2, "reps": 2, "prefix": 1500, "abort_after": 64,
                 "main_tokens": 2000, "sub_tokens": 1500}
     table = [dict(zip(["load", "scenario", "mode", "figure", "value", "computed"], r, strict=True)) for r in rows]
@@ -209,6 +211,10 @@ def test_neverworse_rows_and_their_section() -> None:
     assert "| quiet | agent_subagents | alone | finalize TTFT ms (p50) | 900 | 20.0 |" in md
     assert "1 round(s) of three agents" in md  # a result file from before --agent-rounds
     assert "`-np 4 -c 16384 -t 2`" in md
+    assert "SmolLM2, 2 nodes" in md  # no --model given
+    md = neverworse.md_neverworse({"settings": {**settings, "model": "/models/kvtier-random-l32.gguf"}, "table": table},
+                                  report.md_table)
+    assert "kvtier-random-l32.gguf, 2 nodes" in md
 
 
 def test_chatsteps_rows_leave_the_first_step_out_and_compare_with_alone() -> None:
