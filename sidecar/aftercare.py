@@ -81,7 +81,9 @@ def end_cheaper(plan: RequestPlan, answer: bytes | None, saver: Saver, cost: Cos
     answer regenerated, a last message edited, questions on one text one after another), and
     recomputing that end and the answer costs less than waiting for llama-server to write the slot.
     Without the save, a return of this prompt recomputes them (llama-server alone would recompute
-    all it does not hold); the wait for the save would be paid at once, by the request waiting."""
+    all it does not hold); the wait for the save would be paid at once, by the request waiting: the
+    write, and the hand-over before it (the waiting request goes on ``HANDOVER_AFTER_S`` after the
+    save, and llama-server's queue runs the save first)."""
     table, slot = plan.lease.table, plan.lease.slot
     kept = table.kept_by_waiter(slot)
     held = table.held_about(slot)
@@ -90,7 +92,7 @@ def end_cheaper(plan: RequestPlan, answer: bytes | None, saver: Saver, cost: Cos
         return False
     timings = Timings.from_answer(answer) if answer is not None else None
     dropped = held - kept + (timings.predicted_n if timings is not None else 0)
-    return cost.recompute_s(dropped) < write
+    return cost.recompute_s(dropped) < write + HANDOVER_AFTER_S
 
 
 class Aftercare:
