@@ -287,7 +287,7 @@ class Aftercare:
               known: bool) -> bool:
         """Skip the save when a request of the same tenant already waits for this slot that
         repeats or continues the prompt it answered (its own save stores all this one would, and
-        more), or keeps all of it but an end cheaper to recompute than the save's write
+        more), or keeps all of it but an end cheaper to recompute than the wait for the save
         (``end_cheaper``): llama-server alone serves either from the slot at once, and saving
         now would only make it wait (and stall the others). ``known``: llama-server is known to
         be the process the request was planned for."""

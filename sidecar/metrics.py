@@ -133,7 +133,7 @@ class Metrics:
         self.tokens_slot_reused = Counter("kvtier_tokens_slot_reused", "Prompt tokens already in the chosen slot", registry=r)
         self.saves_skipped = Counter("kvtier_saves_skipped", "Saves after an answer not made: the conversation's "
                                      "next request already waited for the slot (its own save stores it all, "
-                                     "or all but an end cheaper to recompute than the save's write)", registry=r)
+                                     "or all but an end cheaper to recompute than the wait for the save)", registry=r)
         self.saves_skipped_ends = Counter("kvtier_saves_skipped_ends", "Of the saves skipped, those whose waiting "
                                           "request keeps the slot but for an end (another last question), "
                                           "which a return of the skipped prompt recomputes", registry=r)
