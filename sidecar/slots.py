@@ -190,7 +190,7 @@ class SlotRecords:
             return False
         if any(follows(record.answered_asked, a) for a in record.followers):
             return True
-        return record.answered is not None and self.kept_by_waiter(slot) == record.answered[0].size
+        return record.answered is not None and 0 < record.answered[0].size == self.kept_by_waiter(slot)
 
     def kept_by_waiter(self, slot: int) -> int:
         """The most of the prompt ``slot`` answered that a request of the same tenant waiting for
