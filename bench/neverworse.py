@@ -12,7 +12,7 @@ llama-server alone (same flags, its host-memory prompt cache ``--cache-ram`` at 
 - ``sibling_at_once``: a question on a ~``--prefix`` token text, then at once another question on the
   same text (an answer regenerated, a last message edited, questions on one document one after
   another). TTFT of the second, which llama-server alone serves from the slot; kvtier waits for the
-  first answer's save only when the end that save alone keeps costs more to recompute than its write.
+  first answer's save only when the end that save alone keeps costs more to recompute than the wait.
 - ``agent_subagents``: three agents at once, each growing a main thread in four steps, then running
   two sub-agent windows of their own, then a short finalize on the main thread, with at most four
   requests in flight (``--agent-rounds`` such rounds, one after the other). Finalize TTFT over the
