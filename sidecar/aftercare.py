@@ -16,6 +16,7 @@ from typing import Any
 
 from integrations.llama_server import Timings
 from integrations.memkind import MemoryKind
+from tiers.keys import common_prefix
 from tiers.sessions import SessionStore
 from tiers.store import TieredStore
 from tiers.threads import in_thread
@@ -76,23 +77,28 @@ def save_pause(write_s: float | None, step_gap: float | None = None) -> float:
 
 
 def end_cheaper(plan: RequestPlan, answer: bytes | None, saver: Saver, cost: CostModel) -> bool:
-    """Whether a request of the same tenant waiting for the slot that ``plan`` answered on keeps all
-    the prompt it answered but an end (the same document or history with another last question: an
-    answer regenerated, a last message edited, questions on one text one after another), and
-    recomputing that end and the answer costs less than waiting for llama-server to write the slot.
-    Without the save, a return of this prompt recomputes them (llama-server alone would recompute
-    all it does not hold); the wait for the save would be paid at once, by the request waiting: the
-    write, and the hand-over before it (the waiting request goes on ``HANDOVER_AFTER_S`` after the
-    save, and llama-server's queue runs the save first)."""
+    """Whether a request waits for the slot that ``plan`` answered on, and recomputing the end that
+    only this save would store costs less than the wait for the save. The end is what the slot
+    answered (its prompt and the answer) past the longer of two prefixes: the one the tiers were
+    given already (an earlier turn's save, a restore: ``Slot.stored``), and the one a waiting request
+    of the same tenant keeps (the same document or history with another last question: an answer
+    regenerated, a last message edited), which its own save stores. Without the save, a return of
+    this prompt recomputes that end (llama-server alone would recompute all it does not hold); with
+    it, the waiting request (another conversation, on a server whose slots are all taken, or that
+    question) waits for llama-server's write of the whole slot and the hand-over before it (it goes
+    on ``HANDOVER_AFTER_S`` after the save, and llama-server's queue runs the save first)."""
     table, slot = plan.lease.table, plan.lease.slot
-    kept = table.kept_by_waiter(slot)
-    held = table.held_about(slot)
-    write = saver.expected_write(held)
-    if not kept or write is None:
+    write = saver.expected_write(table.held_about(slot))
+    if write is None or not table.wanted(slot):
         return False
+    record = table.slots[slot]
     timings = Timings.from_answer(answer) if answer is not None else None
-    dropped = held - kept + (timings.predicted_n if timings is not None else 0)
-    return cost.recompute_s(dropped) < write + HANDOVER_AFTER_S
+    # A follow-up's prompt (no tokens known) continues what the slot held: its timings tell its size.
+    held = timings.cache_n + timings.prompt_n if timings is not None else table.held_about(slot)
+    stored = record.stored if record.answered is None else \
+        min(record.stored, common_prefix(record.tokens, record.answered[0]))
+    dropped = held - max(table.kept_by_waiter(slot), stored) + (timings.predicted_n if timings is not None else 0)
+    return cost.recompute_s(max(0, dropped)) < write + HANDOVER_AFTER_S
 
 
 class Aftercare:
@@ -287,10 +293,10 @@ class Aftercare:
               known: bool) -> bool:
         """Skip the save when a request of the same tenant already waits for this slot that
         repeats or continues the prompt it answered (its own save stores all this one would, and
-        more), or keeps all of it but an end cheaper to recompute than the wait for the save
-        (``end_cheaper``): llama-server alone serves either from the slot at once, and saving
-        now would only make it wait (and stall the others). ``known``: llama-server is known to
-        be the process the request was planned for."""
+        more), or when any request waits for it and the end only this save would store is cheaper
+        to recompute than the wait for the save (``end_cheaper``): llama-server alone serves the
+        waiting request at once, and saving now would only make it wait (and stall the others).
+        ``known``: llama-server is known to be the process the request was planned for."""
         lease = plan.lease
         if not (known and ok and plan.session_id is None and self.watcher.generation == plan.generation):
             return False

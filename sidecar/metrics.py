@@ -131,12 +131,12 @@ class Metrics:
         self.follow_ups = Counter("kvtier_follow_ups", "Requests sent to the slot holding what they continue, "
                                   "without tokenizing them (nothing to restore)", registry=r)
         self.tokens_slot_reused = Counter("kvtier_tokens_slot_reused", "Prompt tokens already in the chosen slot", registry=r)
-        self.saves_skipped = Counter("kvtier_saves_skipped", "Saves after an answer not made: the conversation's "
-                                     "next request already waited for the slot (its own save stores it all, "
-                                     "or all but an end cheaper to recompute than the wait for the save)", registry=r)
-        self.saves_skipped_ends = Counter("kvtier_saves_skipped_ends", "Of the saves skipped, those whose waiting "
-                                          "request keeps the slot but for an end (another last question), "
-                                          "which a return of the skipped prompt recomputes", registry=r)
+        self.saves_skipped = Counter("kvtier_saves_skipped", "Saves after an answer not made: a request already "
+                                     "waited for the slot, and its own save stores it all, or all but an end "
+                                     "no tier holds and cheaper to recompute than the wait for the save", registry=r)
+        self.saves_skipped_ends = Counter("kvtier_saves_skipped_ends", "Of the saves skipped, those that left an "
+                                          "end (no tier holds it) to recompute when the skipped prompt returns: "
+                                          "another last question, or another conversation, waited", registry=r)
         self.saves_handed_over = Counter("kvtier_saves_handed_over", "Slots given to a waiting request while their "
                                          "save waited in llama-server's queue (which runs the save first)",
                                          registry=r)

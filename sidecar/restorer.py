@@ -199,7 +199,7 @@ class RestoreWriter:
             else:
                 streamed = Restored(got.n_tokens, self._slowest(got.tiers), (time.perf_counter() - t0) * 1000)
                 self._count(streamed, io.nbytes, cached)
-                lease.table.set_tokens(lease.slot, manifest.tokens.copy(), owner=owner)
+                lease.table.set_tokens(lease.slot, manifest.tokens.copy(), owner=owner, stored=True)
                 return streamed
         image = await session_image(self.sessions, namespace, manifest, v_trans=target.v_trans,
                                     n_stream=target.n_stream)
@@ -207,7 +207,7 @@ class RestoreWriter:
         nbytes, _ = await self._write(lease.slot, image.pieces, image.assemble_s, lease.sharing)
         done = Restored(int(manifest.tokens.size), image.tier, (time.perf_counter() - t0) * 1000)
         self._count(done, nbytes, cached)
-        lease.table.set_tokens(lease.slot, manifest.tokens.copy(), owner=owner)
+        lease.table.set_tokens(lease.slot, manifest.tokens.copy(), owner=owner, stored=True)
         return done
 
     async def load(self, slot: int, payloads: Sequence[bytes | memoryview], tokens: np.ndarray,

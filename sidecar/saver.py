@@ -135,7 +135,7 @@ class Saver:
         (``read`` as in ``save_slot``)."""
         t0 = time.perf_counter()
         state = await self.files.save(slot, "session", table.held_about(slot), namespace)
-        table.set_tokens(slot, state.tokens.tokens.copy(), owner=owner)
+        table.set_tokens(slot, state.tokens.tokens.copy(), owner=owner, stored=True)
         if read is not None:
             read()
         manifest = await save_session(self.sessions, namespace, session_id, state, node=self.node_id,

@@ -60,25 +60,25 @@ class Slot:
     # While it saves: what the requests waiting for it untokenized asked (``await_follow_up``).
     followers: list[Asked] = field(default_factory=list)
     answered_at: float = 0.0  # when its last answer ended (the table's clock)
+    stored: int = 0  # how many of ``tokens`` the tiers were given (a save stored, a restore read them)
 
     def hot(self) -> tuple[np.ndarray, str]:
-        """What the slot holds at least, and for which tenant: while its save runs, the prompt
-        it just answered (known before the save reads the slot), else ``tokens``. While it
-        saves, ``tokens`` is what it held before that answer (the save sets them and ends
-        ``saving`` in one step), which the answer replaced past their common prefix, however
-        long it was."""
+        """What the slot holds at least, and for which tenant: while its save runs, the prompt it just
+        answered (known before the save reads the slot), else ``tokens``. While it saves, ``tokens`` is
+        what it held before that answer (the save sets them and ends ``saving`` in one step), which the
+        answer replaced past their common prefix, however long it was."""
         if self.saving and self.answered is not None:
             return self.answered
         return self.tokens, self.owner
 
 
 def _worth(slot: Slot, reused: int, coldest: Slot, now: float) -> int:
-    """What taking idle ``slot`` is worth to a request that reuses ``reused`` of its tokens:
-    those tokens, less the ones it would overwrite when they belong to a live conversation
-    (used within ``LIVE_S``) while a colder slot is free. So a request that shares a system
-    prompt with another conversation takes the empty or coldest slot rather than that
-    conversation's, whose next turn then finds its slot still holding it; one that
-    continues a slot (nothing overwritten) or reuses more than it overwrites takes that slot."""
+    """What taking idle ``slot`` is worth to a request that reuses ``reused`` of its tokens: those tokens,
+    less the ones it would overwrite when they belong to a live conversation (used within ``LIVE_S``)
+    while a colder slot is free. So a request that shares a system prompt with another conversation takes
+    the empty or coldest slot rather than that conversation's, whose next turn then finds its slot still
+    holding it; one that continues a slot (nothing overwritten) or reuses more than it overwrites takes
+    that slot."""
     lost = 0 if slot.unknown else int(slot.tokens.size) - reused
     live = slot is not coldest and now - slot.last_used < LIVE_S
     return reused - lost if live else reused
@@ -98,8 +98,7 @@ class Lease:
     """A slot granted to one request, bound to the table it came from.
 
     ``release()`` gives it back to that table (not to a table that replaced it since, after
-    llama-server restarted) and is idempotent; ``with lease:`` releases on exit.
-    """
+    llama-server restarted) and is idempotent; ``with lease:`` releases on exit."""
 
     table: SlotTable
     slot: int
@@ -137,13 +136,13 @@ class SlotRecords:
     _waiters: collections.deque[Waiter]
     _watched: dict[int, asyncio.Event]  # slots whose save waits for a waiter (set at each new one)
 
-    def set_tokens(self, slot: int, tokens: np.ndarray, owner: str | None = None) -> None:
-        """Record what ``slot`` holds (exactly), and whose it is (``None``: the same tenant as before)."""
-        self.slots[slot].tokens = np.asarray(tokens, dtype=np.int32)
-        self.slots[slot].asked = ()
-        self.slots[slot].unknown = False
+    def set_tokens(self, slot: int, tokens: np.ndarray, owner: str | None = None, *, stored: bool = False) -> None:
+        """Record what ``slot`` holds (exactly), whose it is (``None``: as before), and if the tiers hold it all."""
+        record = self.slots[slot]
+        record.tokens = np.asarray(tokens, dtype=np.int32)
+        record.stored, record.asked, record.unknown = record.tokens.size if stored else 0, (), False
         if owner is not None:
-            self.slots[slot].owner = owner
+            record.owner = owner
 
     def forget(self, slot: int) -> None:
         """What ``slot`` holds is unknown now (a failed request or save): none of it counts as
@@ -226,12 +225,12 @@ class SlotRecords:
         return holds()
 
     def hand_over(self, lease: Lease) -> None:
-        """The save after ``lease``'s answer is sent but not done (it waits in llama-server's queue
-        behind other slots' batches) and a request waits for the slot: the slot goes to it now.
-        llama-server runs its queued tasks in order, so that save still reads what the answer left
-        before the next request's task starts. The slot holds at least the prompt it answered, and
-        the request it answered asked what it asked (its follow-ups may go there, as after
-        ``skip_save``); the save records nothing when it ends (``record_saved``)."""
+        """The save after ``lease``'s answer is sent but not done (it waits in llama-server's queue behind
+        other slots' batches) and a request waits for the slot: the slot goes to it now. llama-server
+        runs its queued tasks in order, so that save still reads what the answer left before the next
+        request's task starts. The slot holds at least the prompt it answered, and the request it
+        answered asked what it asked (its follow-ups may go there, as after ``skip_save``); the save
+        records nothing when it ends (``record_saved``)."""
         asked = self.slots[lease.slot].answered_asked
         self._holds_answered(lease.slot)
         self.slots[lease.slot].asked = asked
@@ -244,12 +243,14 @@ class SlotRecords:
         self.slots[slot].asked = asked
 
     def _holds_answered(self, slot: int) -> None:
-        """Record that ``slot`` holds the prompt its answer ran on (at least), for that prompt's
-        tenant; when that prompt is not known (a follow-up), what the table knew stays: the
-        conversation it continued, the same tenant's."""
-        answered = self.slots[slot].answered
-        if answered is not None:
-            self.set_tokens(slot, answered[0], owner=answered[1])
+        """Record that ``slot`` holds the prompt its answer ran on (at least), for that prompt's tenant,
+        the tiers what they held of both; when that prompt is not known (a follow-up), what the table
+        knew stays: the conversation it continued, the same tenant's."""
+        record = self.slots[slot]
+        if record.answered is not None:
+            stored = min(record.stored, common_prefix(record.tokens, record.answered[0]))
+            self.set_tokens(slot, record.answered[0], owner=record.answered[1])
+            record.stored = stored
 
     def save_failed(self, lease: Lease) -> None:
         """The save after ``lease``'s answer failed before it read the slot (a full slot dir, a
@@ -277,7 +278,7 @@ class SlotRecords:
         if grant is not None and grant != record.leases:
             return SavedSlot(np.asarray(tokens, dtype=np.int32), np.zeros(0, np.int32), None)
         previous, previous_tail = record.tokens, record.tail
-        self.set_tokens(slot, tokens, owner=owner)
+        self.set_tokens(slot, tokens, owner=owner, stored=True)
         return SavedSlot(record.tokens, previous, previous_tail)
 
     def record_tail(self, slot: int, saved: SavedSlot, stored: StoredState) -> None:
@@ -457,7 +458,7 @@ class SlotTable(SlotRecords):
         old = record.tail
         if tail is None and old is not None and common_prefix(record.tokens, tokens) < old.end:
             old = None
-        self.set_tokens(slot, tokens, owner=owner)
+        self.set_tokens(slot, tokens, owner=owner, stored=True)
         record.tail = tail if tail is not None else old
 
     def emptied(self, slot: int) -> None:

@@ -23,6 +23,7 @@ from sidecar.http.relay import Relay
 from sidecar.metrics import Metrics, watch_loop_lag
 from sidecar.prompts import chat_digests
 from sidecar.proxy import upstream_body
+from sidecar.requestplan import NO_TOKENS, RequestPlan
 from sidecar.slots import Lease, SlotTable
 from tiers.errors import ConfigError
 from tiers.keys import common_prefix
@@ -184,6 +185,59 @@ async def test_a_waiter_keeps_the_answered_prompt_up_to_where_its_own_prompt_dif
     await asyncio.sleep(0)
     assert table.kept_by_waiter(answering.slot) == 0  # those that left keep nothing
     other_tenant.cancel()
+
+
+class _Priced:
+    """The two figures ``end_cheaper`` weighs (pure logic): a slot's write, a recompute's time."""
+
+    def __init__(self, write_s: float, tokens_per_s: float):
+        self.write_s, self.tokens_per_s = write_s, tokens_per_s
+
+    def expected_write(self, tokens: int) -> float:
+        return self.write_s
+
+    def recompute_s(self, tokens: int) -> float:
+        return tokens / self.tokens_per_s
+
+
+async def test_any_waiting_request_skips_a_save_whose_end_no_tier_holds_costs_less_than_the_wait() -> None:
+    # A conversation's second turn answered on the only slot, its first turn saved (the tiers hold
+    # it); another tenant's new conversation waits for the slot. The end only this save would
+    # store is the new question and the answer: 38 tokens, priced at 38 ms against a 200 ms write.
+    table = SlotTable(1)
+    first = np.arange(1000, 3008, dtype=np.int32)
+    lease = await table.acquire(first[:2000], owner="t")
+    table.begin_save(lease.slot, (first[:2000], "t"))
+    table.record_saved(lease.slot, first, "t", grant=table.slots[lease.slot].leases)
+    table.end_save(lease)
+    assert table.slots[lease.slot].stored == 2008
+    second = np.concatenate([first, np.arange(7000, 7030, dtype=np.int32)])
+    lease = await table.acquire(second, owner="t")
+    assert lease.cached_tokens == 2008
+    table.begin_save(lease.slot, (second, "t"))
+    answer = json.dumps({"content": "x", "timings": {"prompt_n": 30, "cache_n": 2008, "predicted_n": 8}}).encode()
+    plan = aftercare_plan(lease)
+    priced = _Priced(write_s=0.2, tokens_per_s=1000.0)
+    assert not aftercare.end_cheaper(plan, answer, priced, priced)  # type: ignore[arg-type]  # no one waits
+    other = asyncio.ensure_future(table.acquire(np.arange(50_000, 50_500, dtype=np.int32), owner="u"))
+    await asyncio.sleep(0)
+    assert aftercare.end_cheaper(plan, answer, priced, priced)  # type: ignore[arg-type]
+    table.skip_save(lease.slot, ())
+    assert table.slots[lease.slot].stored == 2008  # the slot holds the second prompt; the tiers, the first
+    table.end_save(lease)
+    (await other).release()
+    # The same for a first turn (the tiers hold none of it): its 2,046 tokens cost 2 s to recompute.
+    fresh = SlotTable(1)
+    lease = await fresh.acquire(second, owner="t")
+    fresh.begin_save(lease.slot, (second, "t"))
+    waiting = asyncio.ensure_future(fresh.acquire(np.arange(50_000, 50_500, dtype=np.int32), owner="u"))
+    await asyncio.sleep(0)
+    assert not aftercare.end_cheaper(aftercare_plan(lease), answer, priced, priced)  # type: ignore[arg-type]
+    waiting.cancel()
+
+
+def aftercare_plan(lease: Lease) -> RequestPlan:
+    return RequestPlan(NO_TOKENS, lease, None, "t")  # type: ignore[arg-type]  # no namespace: not stored
 
 
 async def test_a_repeat_waits_untokenized_for_the_slot_whose_save_has_not_read_it() -> None:
