@@ -13,6 +13,12 @@ llama-server alone (same flags, its host-memory prompt cache ``--cache-ram`` at 
   same text (an answer regenerated, a last message edited, questions on one document one after
   another). TTFT of the second, which llama-server alone serves from the slot; kvtier waits for the
   first answer's save only when the end that save alone keeps costs more to recompute than the wait.
+- ``other_at_once``: on a node of its own with one slot (every slot taken), a conversation's second turn
+  (its first turn saved a few seconds before), then at once a new ~``OTHER_TOKENS``-token conversation
+  (another user), then the second turn again (its return). TTFT of the new conversation, which
+  llama-server alone starts at once (after copying the slot to its prompt cache, when that is on);
+  kvtier waits for the second turn's save only when the end no tier holds costs more to recompute
+  than the wait. And TTFT of the return, which pays for what was not saved.
 - ``agent_subagents``: three agents at once, each growing a main thread in four steps, then running
   two sub-agent windows of their own, then a short finalize on the main thread, with at most four
   requests in flight (``--agent-rounds`` such rounds, one after the other). Finalize TTFT over the
@@ -57,7 +63,8 @@ from .common import (
     write_json,
 )
 
-SCENARIOS = ("repeat_at_once", "abort_reprompt", "sibling_at_once", "agent_subagents")
+SCENARIOS = ("repeat_at_once", "abort_reprompt", "sibling_at_once", "other_at_once", "agent_subagents")
+OTHER_TOKENS = 64  # other_at_once: the new conversation's prompt (a short one shows the wait)
 # llama-server alone and kvtier on identical flags (llama-server's prompt cache at its default); and
 # kvtier with that cache off (the README's flags where tenants share a server).
 MODES = ("alone", "kvtier", "kvtier-cache-ram-0")
@@ -112,6 +119,23 @@ async def sibling_at_once(s: aiohttp.ClientSession, url: str, prefix: int, reps:
         rows.append({"rep": r, "first_ttft_ms": first.ttft_ms, "sibling_ttft_ms": sibling.ttft_ms,
                      "sibling_computed": sibling.recomputed_tokens, "prompt_tokens": sibling.prompt_tokens})
         await asyncio.sleep(1.0)  # the next rep's text starts apart, after this one's saves
+    return rows
+
+
+async def other_at_once(s: aiohttp.ClientSession, url: str, prefix: int, reps: int) -> list[dict[str, Any]]:
+    rows = []
+    for r in range(reps):
+        first = f"Answer from these records. {document(prefix, 150 + r)}\nQuestion: {QUESTIONS[r % len(QUESTIONS)]}\nAnswer:"
+        turn1 = await complete(s, url, first, 8)
+        await asyncio.sleep(3.0)  # its save ends (kvtier): the tiers hold the first turn
+        second = f"{first}{turn1.content}\nQuestion: {QUESTIONS[(r + 1) % len(QUESTIONS)]}\nAnswer:"
+        turn2 = await complete(s, url, second, 8)
+        other = await complete(s, url, f"Note {r}. {document(OTHER_TOKENS, 950 + r)}\nSummary:", 8)  # at once
+        back = await complete(s, url, second, 8)  # the second turn returns
+        rows.append({"rep": r, "turn2_ttft_ms": turn2.ttft_ms, "other_ttft_ms": other.ttft_ms,
+                     "other_computed": other.recomputed_tokens, "return_ttft_ms": back.ttft_ms,
+                     "return_computed": back.recomputed_tokens, "prompt_tokens": back.prompt_tokens})
+        await asyncio.sleep(3.0)
     return rows
 
 
@@ -188,6 +212,7 @@ async def run_mode(a: argparse.Namespace, mode: str, redis_url: str) -> dict[str
     sidecar = mode != "alone"
     await redis_flush(redis_url)
     out: dict[str, Any] = {}
+    single_figures: list[dict[str, float]] = []
     with cluster(2, llama_args(a.ctx, a.threads, a.slots, mode), sidecar=sidecar,
                  redis_url=redis_url if sidecar else None, model=a.model) as cl:
         async with client_session() as s:
@@ -198,10 +223,17 @@ async def run_mode(a: argparse.Namespace, mode: str, redis_url: str) -> dict[str
                 out["abort_reprompt"] = await abort_reprompt(s, urls, cl.llama_url(0), a.prefix, a.reps, a.abort_after)
             if "sibling_at_once" in a.scenarios:
                 out["sibling_at_once"] = await sibling_at_once(s, urls[0], a.prefix, a.reps)
+            if "other_at_once" in a.scenarios:  # on a node of one slot: every slot taken
+                with cluster(1, llama_args(a.ctx, a.threads, 1, mode), sidecar=sidecar,
+                             redis_url=redis_url if sidecar else None, model=a.model) as single:
+                    out["other_at_once"] = await other_at_once(s, single.url(0), a.prefix, a.reps)
+                    single_figures = [await sidecar_figures(s, single.nodes[0].sidecar_url)] if sidecar else []
             if "agent_subagents" in a.scenarios:
                 out["agent_subagents"] = await agent_subagents(s, urls[1], a.main_tokens, a.sub_tokens, a.agent_rounds)
             if sidecar:  # what each sidecar did before forwarding: its own time, and identity checks waited for
                 out["sidecars"] = [await sidecar_figures(s, node.sidecar_url) for node in cl.nodes]
+                if "other_at_once" in a.scenarios:  # and the one-slot node's
+                    out["sidecars"] += single_figures
     return out
 
 
@@ -232,6 +264,13 @@ def summarize(results: dict[str, dict[str, Any]]) -> list[list[Any]]:
                 rows.append([load, name, mode, "sibling TTFT ms (p50)",
                              percentile([x["sibling_ttft_ms"] for x in data], 50),
                              percentile([x["sibling_computed"] for x in data], 50)])
+            elif name == "other_at_once":
+                rows.append([load, name, mode, "other conversation TTFT ms (p50)",
+                             percentile([x["other_ttft_ms"] for x in data], 50),
+                             percentile([x["other_computed"] for x in data], 50)])
+                rows.append([load, name, mode, "second turn's return TTFT ms (p50)",
+                             percentile([x["return_ttft_ms"] for x in data], 50),
+                             percentile([x["return_computed"] for x in data], 50)])
             elif name == "abort_reprompt":
                 for where in ("same node", "other node"):
                     part = [x for x in data if x["where"] == where]
@@ -257,7 +296,9 @@ def md_neverworse(data: dict[str, Any], md_table: Any) -> str:
             f"`repeat_at_once`: a chat of ~{st['prefix']} tokens sent again the moment its answer ends; "
             f"`abort_reprompt`: a stream left after {st['abort_after']} tokens, then the same prefix with a new "
             f"question, on the same node and on the other; `sibling_at_once`: a question on a ~{st['prefix']}-"
-            f"token text, then at once another on the same text; `agent_subagents`: "
+            f"token text, then at once another on the same text; `other_at_once` (one node of one slot): a "
+            f"conversation's second turn, then at once a ~{OTHER_TOKENS}-token new conversation, then the second "
+            f"turn again; `agent_subagents`: "
             f"{st.get('agent_rounds', 1)} round(s) of three agents, each a "
             f"~{st['main_tokens']}-token main thread in four steps, two ~{st['sub_tokens']}-token sub-agent windows, "
             f"then a short finalize on the main thread, at most four requests at once. Medians; "
@@ -301,7 +342,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = summarize(results)
     print_table("Never worse than llama-server alone (same flags, default --cache-ram)",
                 ["load", "scenario", "mode", "figure", "value", "tokens computed (p50)"], rows)
-    console.print("tokens computed: of the repeat; of the prefix (abort_reprompt); of the sibling; of the finalize")
+    console.print("tokens computed: of the repeat; of the prefix (abort_reprompt); of the sibling; of the other "
+                  "conversation and of the return (other_at_once); of the finalize")
     write_json(a.json, {"benchmark": "neverworse", "settings": {k: v for k, v in vars(a).items() if k != "json"},
                         "minutes": round((time.time() - started) / 60, 1), "results": results,
                         "table": [dict(zip(["load", "scenario", "mode", "figure", "value", "computed"], r, strict=True))

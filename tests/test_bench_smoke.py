@@ -194,6 +194,8 @@ def test_neverworse_rows_and_their_section() -> None:
             "abort_reprompt": [{"where": w, "reused_share": 0.99, "prefix_tokens": 1500, "reused_tokens": 1490}
                                for w in ("same node", "other node")],
             "sibling_at_once": [{"sibling_ttft_ms": t, "sibling_computed": 12} for t in (300.0, 500.0, 400.0)],
+            "other_at_once": [{"other_ttft_ms": 200.0, "other_computed": 90, "return_ttft_ms": 700.0,
+                               "return_computed": 40}],
             "agent_subagents": [{"finalize_ratio": 0.1, "finalize_ttft_ms": 900.0, "finalize_computed": 20}]}
     sidecars = [{"kvtier_server_checks_seconds_count": n, "kvtier_server_checks_seconds_sum": n * 0.5}
                 for n in (1.0, 2.0)]
@@ -203,6 +205,7 @@ def test_neverworse_rows_and_their_section() -> None:
             "3; 1,500", None] in rows
     assert ["loaded", "abort_reprompt (other node)", "kvtier-cache-ram-0", "prefix reused (p50)", 0.99, 10] in rows
     assert ["quiet", "sibling_at_once", "alone", "sibling TTFT ms (p50)", 400.0, 12] in rows
+    assert ["quiet", "other_at_once", "alone", "second turn's return TTFT ms (p50)", 700.0, 40] in rows
     settings = {"slots": 4, "ctx": 16384, "threads": 2, "reps": 2, "prefix": 1500, "abort_after": 64,
                 "main_tokens": 2000, "sub_tokens": 1500}
     table = [dict(zip(["load", "scenario", "mode", "figure", "value", "computed"], r, strict=True)) for r in rows]
