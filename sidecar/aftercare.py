@@ -16,7 +16,6 @@ from typing import Any
 
 from integrations.llama_server import Timings
 from integrations.memkind import MemoryKind
-from tiers.keys import common_prefix
 from tiers.sessions import SessionStore
 from tiers.store import TieredStore
 from tiers.threads import in_thread
@@ -95,8 +94,7 @@ def end_cheaper(plan: RequestPlan, answer: bytes | None, saver: Saver, cost: Cos
     timings = Timings.from_answer(answer) if answer is not None else None
     # A follow-up's prompt (no tokens known) continues what the slot held: its timings tell its size.
     held = timings.cache_n + timings.prompt_n if timings is not None else table.held_about(slot)
-    stored = record.stored if record.answered is None else \
-        min(record.stored, common_prefix(record.tokens, record.answered[0]))
+    stored = record.stored if record.answered is None else table.stored_of(slot, *record.answered)
     dropped = held - max(table.kept_by_waiter(slot), stored) + (timings.predicted_n if timings is not None else 0)
     return cost.recompute_s(max(0, dropped)) < write + HANDOVER_AFTER_S
 

@@ -21,7 +21,8 @@ from tiers.store import TieredStore
 from .costmodel import CostModel
 from .metrics import Metrics
 from .slotfiles import SlotFiles
-from .slots import SavedSlot, SlotTable
+from .slotrecord import SavedSlot
+from .slots import SlotTable
 
 log = logging.getLogger("kvtier.engine")
 

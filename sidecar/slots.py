@@ -15,7 +15,7 @@ import asyncio
 import collections
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Self
 
 import numpy as np
@@ -25,51 +25,11 @@ from integrations.kvflow import StoredState, TailRecord
 from tiers.keys import common_prefix
 
 from .asked import Asked, continues, follows
+from .slotrecord import SavedSlot, Slot
 
 # A slot used this recently holds a live conversation (agents' steps, chat turns: back within minutes;
 # colder is in the tiers): a request overwriting more than it reuses takes a colder free slot (``_worth``).
 LIVE_S = 600.0
-
-
-@dataclass(slots=True)
-class Slot:
-    """What kvtier knows of one slot (written by its ``SlotTable`` only)."""
-
-    id: int
-    tokens: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))
-    busy: bool = False
-    last_used: float = 0.0
-    owner: str = ""  # tenant salt of what the slot holds: another tenant's tokens never count
-    served: bool = False  # has run a completion since llama-server started (it reports a count then)
-    asked: Asked = ()  # the request whose answer the slot holds (forgotten with its tokens)
-    tail: TailRecord | None = None  # the partial tail it stored or restored last
-    resynced: int | None = None  # llama-server's token count when kvtier last read the slot again
-    saving: bool = False  # busy with the save after an answer (the request itself is done)
-    # While saving: the prompt that answer ran on and its tenant (the slot holds at least that;
-    # ``tokens`` and ``owner`` say so once the save has read the slot).
-    answered: tuple[np.ndarray, str] | None = None
-    answered_asked: Asked = ()  # while saving: what that answered request asked (its follow-ups')
-    # What it holds is not known (a failed or cancelled request, a save that failed): llama-server
-    # may still hold the owner's KV, so another tenant's request erases it before use.
-    unknown: bool = False
-    # The id of the last task llama-server reported for it. Task ids only grow within one
-    # llama-server process: one that went down, or vanished, means the server restarted.
-    task_id: int | None = None
-    # Grants so far: a save begun under an earlier one (its slot handed over since) records nothing.
-    leases: int = 0
-    # While it saves: what the requests waiting for it untokenized asked (``await_follow_up``).
-    followers: list[Asked] = field(default_factory=list)
-    answered_at: float = 0.0  # when its last answer ended (the table's clock)
-    stored: int = 0  # how many of ``tokens`` the tiers were given (a save stored, a restore read them)
-
-    def hot(self) -> tuple[np.ndarray, str]:
-        """What the slot holds at least, and for which tenant: while its save runs, the prompt it just
-        answered (known before the save reads the slot), else ``tokens``. While it saves, ``tokens`` is
-        what it held before that answer (the save sets them and ends ``saving`` in one step), which the
-        answer replaced past their common prefix, however long it was."""
-        if self.saving and self.answered is not None:
-            return self.answered
-        return self.tokens, self.owner
 
 
 def _worth(slot: Slot, reused: int, coldest: Slot, now: float) -> int:
@@ -82,15 +42,6 @@ def _worth(slot: Slot, reused: int, coldest: Slot, now: float) -> int:
     lost = 0 if slot.unknown else int(slot.tokens.size) - reused
     live = slot is not coldest and now - slot.last_used < LIVE_S
     return reused - lost if live else reused
-
-
-@dataclass(frozen=True, slots=True)
-class SavedSlot:
-    """What a save recorded of a slot: the tokens it read, and what the slot held before."""
-
-    tokens: np.ndarray  # the very array the slot table holds (``is`` tells whether it changed since)
-    previous: np.ndarray
-    previous_tail: TailRecord | None
 
 
 @dataclass(slots=True, eq=False)
@@ -248,9 +199,14 @@ class SlotRecords:
         knew stays: the conversation it continued, the same tenant's."""
         record = self.slots[slot]
         if record.answered is not None:
-            stored = min(record.stored, common_prefix(record.tokens, record.answered[0]))
+            stored = self.stored_of(slot, *record.answered)
             self.set_tokens(slot, record.answered[0], owner=record.answered[1])
             record.stored = stored
+
+    def stored_of(self, slot: int, tokens: np.ndarray, owner: str) -> int:
+        """How many of ``tokens`` (tenant ``owner``'s) the tiers hold by what ``slot`` holds."""
+        record = self.slots[slot]
+        return min(record.stored, common_prefix(record.tokens, tokens)) if record.owner == owner else 0
 
     def save_failed(self, lease: Lease) -> None:
         """The save after ``lease``'s answer failed before it read the slot (a full slot dir, a

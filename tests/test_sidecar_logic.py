@@ -211,6 +211,9 @@ async def test_any_waiting_request_skips_a_save_whose_end_no_tier_holds_costs_le
     table.record_saved(lease.slot, first, "t", grant=table.slots[lease.slot].leases)
     table.end_save(lease)
     assert table.slots[lease.slot].stored == 2008
+    # Another tenant's prompt with the same tokens: the tiers hold them under the first tenant's
+    # namespace only.
+    assert (table.stored_of(lease.slot, first, "t"), table.stored_of(lease.slot, first, "u")) == (2008, 0)
     second = np.concatenate([first, np.arange(7000, 7030, dtype=np.int32)])
     lease = await table.acquire(second, owner="t")
     assert lease.cached_tokens == 2008
