@@ -22,6 +22,7 @@ from tiers.threads import in_thread
 
 from .costmodel import CostModel
 from .heap import release_holes
+from .llamacache import LlamaPromptCache
 from .metrics import Metrics
 from .planner import RestorePlanner
 from .prompts import PromptTokens
@@ -75,17 +76,24 @@ def save_pause(write_s: float | None, step_gap: float | None = None) -> float:
     return max(SAVE_DELAY_S, scaled)
 
 
-def end_cheaper(plan: RequestPlan, answer: bytes | None, saver: Saver, cost: CostModel) -> bool:
+def end_cheaper(plan: RequestPlan, answer: bytes | None, saver: Saver, cost: CostModel,
+                llama: LlamaPromptCache | None = None) -> bool:
     """Whether a request waits for the slot that ``plan`` answered on, and recomputing the end that
     only this save would store costs less than the wait for the save. The end is what the slot
     answered (its prompt and the answer) past the longer of two prefixes: the one the tiers were
     given already (an earlier turn's save, a restore: ``Slot.stored``), and the one a waiting request
     of the same tenant keeps (the same document or history with another last question: an answer
     regenerated, a last message edited), which its own save stores. Without the save, a return of
-    this prompt recomputes that end (llama-server alone would recompute all it does not hold); with
-    it, the waiting request (another conversation, on a server whose slots are all taken, or that
-    question) waits for llama-server's write of the whole slot and the hand-over before it (it goes
-    on ``HANDOVER_AFTER_S`` after the save, and llama-server's queue runs the save first)."""
+    this prompt recomputes that end, that deep (llama-server alone would recompute all it does not
+    hold); with it, the waiting request (another conversation, on a server whose slots are all
+    taken, or that question) waits for llama-server's write of the whole slot and the hand-over
+    before it (it goes on ``HANDOVER_AFTER_S`` after the save, and llama-server's queue runs the
+    save first).
+
+    With llama-server's own prompt cache on (``llama``), a waiting request that keeps under half of
+    the slot has llama-server copy it there first, as alone: a return on this node loads it from
+    there, and only another node would recompute the end. When the tiers hold the rest (an earlier
+    turn), that end is let go; a first turn is priced as above, and saved for the other nodes."""
     table, slot = plan.lease.table, plan.lease.slot
     write = saver.expected_write(table.held_about(slot))
     if write is None or not table.wanted(slot):
@@ -95,8 +103,12 @@ def end_cheaper(plan: RequestPlan, answer: bytes | None, saver: Saver, cost: Cos
     # A follow-up's prompt (no tokens known) continues what the slot held: its timings tell its size.
     held = timings.cache_n + timings.prompt_n if timings is not None else table.held_about(slot)
     stored = record.stored if record.answered is None else table.stored_of(slot, *record.answered)
-    dropped = held - max(table.kept_by_waiter(slot), stored) + (timings.predicted_n if timings is not None else 0)
-    return cost.recompute_s(max(0, dropped)) < write + HANDOVER_AFTER_S
+    by_waiter = table.kept_by_waiter(slot)
+    if stored and llama is not None and llama.keeps(held, by_waiter):
+        return True
+    kept = max(by_waiter, stored)
+    dropped = held - kept + (timings.predicted_n if timings is not None else 0)
+    return cost.recompute_s(max(0, dropped), start=kept) < write + HANDOVER_AFTER_S
 
 
 class Aftercare:
@@ -300,7 +312,7 @@ class Aftercare:
             return False
         if lease.table.awaited(lease.slot):
             self.metrics.saves_skipped.inc()
-        elif end_cheaper(plan, answer, self.saver, self.planner.cost):
+        elif end_cheaper(plan, answer, self.saver, self.planner.cost, self.watcher.llama_cache):
             self.metrics.saves_skipped.inc()
             self.metrics.saves_skipped_ends.inc()
         else:

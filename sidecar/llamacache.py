@@ -87,6 +87,12 @@ class LlamaPromptCache:
             return base
         return common_prefix(best.tokens, tokens)
 
+    def keeps(self, held: int, kept: int) -> bool:
+        """Whether a completion that keeps ``kept`` of a slot holding ``held`` tokens has llama-server
+        copy the slot's prompt into its cache first (it fits there)."""
+        return (self.on and held > 0 and kept / held < KEEP_TO_SAVE
+                and (not self.limit or held * self.bytes_per_token <= self.limit))
+
     def launched(self, table: SlotTable, slot: int, tokens: np.ndarray | None) -> None:
         """A completion of ``tokens`` goes to ``slot`` now (None: a follow-up, which keeps what the
         slot holds): update the mirror as llama-server updates its cache."""

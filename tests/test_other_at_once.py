@@ -34,6 +34,7 @@ async def test_another_conversation_at_once_takes_the_slot_when_the_end_no_tier_
             node(tmp_path, redis_srv.url, "b") as (_, b):
         shared = await shared_tokens(llama_a.url)
         assert (await post(a.url + "/completion", WARM_UP)).status == 200  # its size teaches the expected write
+        await a.engine.drain(30)  # saved before the next request: nothing waits for it
         first = text("What does shelf 7 hold?", 8)
         turn1 = await post(a.url + "/completion", first)
         assert turn1.status == 200
@@ -67,3 +68,29 @@ async def test_another_conversation_at_once_waits_for_the_save_of_a_first_turn_n
         assert a.metric("kvtier_saves_skipped_total") == 0, a.decisions()
         await a.engine.drain(30)
         assert a.metric("kvtier_save_seconds_count") == 3
+
+
+async def test_with_llama_servers_own_cache_the_end_is_let_go_and_a_return_here_loads_it_from_there(
+        redis_srv: RedisProc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # llama-server's prompt cache on: the other conversation has it copy the slot there first, as
+    # alone, so the second turn's save is skipped however dear its end (the tiers hold the first
+    # turn, and a return here loads the rest from that cache).
+    monkeypatch.setattr(aftercare, "SAVE_DELAY_S", SAVE_DELAY_S)
+    async with node(tmp_path, redis_srv.url, "a", ("-np", "1", "--cache-ram", "1024")) as (_, a):
+        assert (await post(a.url + "/completion", WARM_UP)).status == 200
+        await a.engine.drain(30)
+        turn1 = await post(a.url + "/completion", text("What does shelf 5 hold?", 8))
+        assert turn1.status == 200
+        await a.engine.drain(30)
+        assert a.engine.watcher.llama_cache.on
+        a.pin_prefill_rate(1.0)  # the end: tens of seconds to recompute
+        a.pin_slot_write(SLOT_WRITE_S_PER_BYTE)
+        second = text("What does shelf 5 hold?", 8)
+        second["prompt"] += turn1.body["content"] + "\nQuestion: And shelf 6?\nAnswer:"
+        assert (await post(a.url + "/completion", second)).status == 200
+        assert (await post(a.url + "/completion", OTHER)).status == 200
+        assert a.metric("kvtier_saves_skipped_ends_total") == 1, a.decisions()
+        back = await post(a.url + "/completion", second)
+        # Back on this node: llama-server's cache holds all of it (~790 tokens), and kvtier's tiers the
+        # first turn; at most the end is computed again.
+        assert back.status == 200 and back.body["timings"]["prompt_n"] <= 30, (back.restored, back.body["timings"])

@@ -20,6 +20,7 @@ from sidecar.cli_client import summarize_metrics
 from sidecar.config import Settings, load_settings
 from sidecar.costmodel import CostModel
 from sidecar.http.relay import Relay
+from sidecar.llamacache import LlamaPromptCache
 from sidecar.metrics import Metrics, watch_loop_lag
 from sidecar.prompts import chat_digests
 from sidecar.proxy import upstream_body
@@ -196,7 +197,7 @@ class _Priced:
     def expected_write(self, tokens: int) -> float:
         return self.write_s
 
-    def recompute_s(self, tokens: int) -> float:
+    def recompute_s(self, tokens: int, sharing: int | None = None, start: int = 0) -> float:
         return tokens / self.tokens_per_s
 
 
@@ -225,6 +226,12 @@ async def test_any_waiting_request_skips_a_save_whose_end_no_tier_holds_costs_le
     other = asyncio.ensure_future(table.acquire(np.arange(50_000, 50_500, dtype=np.int32), owner="u"))
     await asyncio.sleep(0)
     assert aftercare.end_cheaper(plan, answer, priced, priced)  # type: ignore[arg-type]
+    # Priced dearer than the wait, it is let go all the same where llama-server's own prompt cache
+    # copies the slot before the waiting request (it keeps none of it) and the tiers hold the rest.
+    dear = _Priced(write_s=0.2, tokens_per_s=10.0)
+    assert not aftercare.end_cheaper(plan, answer, dear, dear)  # type: ignore[arg-type]
+    assert aftercare.end_cheaper(plan, answer, dear, dear, LlamaPromptCache(8192, 1000))  # type: ignore[arg-type]
+    assert not aftercare.end_cheaper(plan, answer, dear, dear, LlamaPromptCache(0, 1000))  # type: ignore[arg-type]
     table.skip_save(lease.slot, ())
     assert table.slots[lease.slot].stored == 2008  # the slot holds the second prompt; the tiers, the first
     table.end_save(lease)
@@ -236,7 +243,21 @@ async def test_any_waiting_request_skips_a_save_whose_end_no_tier_holds_costs_le
     waiting = asyncio.ensure_future(fresh.acquire(np.arange(50_000, 50_500, dtype=np.int32), owner="u"))
     await asyncio.sleep(0)
     assert not aftercare.end_cheaper(aftercare_plan(lease), answer, priced, priced)  # type: ignore[arg-type]
+    # ...llama-server's cache or not: the other nodes have only this save to restore it from.
+    assert not aftercare.end_cheaper(aftercare_plan(lease), answer, priced, priced,  # type: ignore[arg-type]
+                                     LlamaPromptCache(8192, 1000))
     waiting.cancel()
+
+
+def test_a_recompute_that_starts_deep_is_priced_at_the_rate_of_prompts_computed_deep() -> None:
+    cost = CostModel(prefill_tps=300.0)
+    cost.observe_prefill(90, 350.0)  # ~257 tokens/s from the start
+    cost.observe_prefill(13, 370.0, start=2008)  # ~35 tokens/s 2,008 deep
+    cost.observe_prefill(1, 16.0, start=2021)  # a repeat's one token: llama-server's fixed costs, not learned
+    assert cost.recompute_s(21) == pytest.approx(21 / (90 / 0.35))
+    assert cost.recompute_s(21, start=2008) == pytest.approx(21 / (13 / 0.37))
+    assert cost.recompute_s(21, start=500) == cost.recompute_s(21)  # not deep
+    assert CostModel(prefill_tps=300.0).recompute_s(21, start=2008) == pytest.approx(21 / 300)  # none measured
 
 
 def aftercare_plan(lease: Lease) -> RequestPlan:
