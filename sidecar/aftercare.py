@@ -78,17 +78,16 @@ def save_pause(write_s: float | None, step_gap: float | None = None) -> float:
 
 def end_cheaper(plan: RequestPlan, answer: bytes | None, saver: Saver, cost: CostModel,
                 llama: LlamaPromptCache | None = None) -> bool:
-    """Whether a request waits for the slot that ``plan`` answered on, and recomputing the end that
-    only this save would store costs less than the wait for the save. The end is what the slot
-    answered (its prompt and the answer) past the longer of two prefixes: the one the tiers were
-    given already (an earlier turn's save, a restore: ``Slot.stored``), and the one a waiting request
-    of the same tenant keeps (the same document or history with another last question: an answer
-    regenerated, a last message edited), which its own save stores. Without the save, a return of
-    this prompt recomputes that end, that deep (llama-server alone would recompute all it does not
-    hold); with it, the waiting request (another conversation, on a server whose slots are all
-    taken, or that question) waits for llama-server's write of the whole slot and the hand-over
-    before it (it goes on ``HANDOVER_AFTER_S`` after the save, and llama-server's queue runs the
-    save first).
+    """Whether a request waits for the slot that ``plan`` answered on, and recomputing the end that only
+    this save would store costs less than the wait for the save. The end is what the slot answered (its
+    prompt and the answer) past the longer of two prefixes: the one the tiers were given already (an
+    earlier turn's save, a restore: ``Slot.stored``), and the one a waiting request of the same tenant
+    keeps (the same document or history with another last question: an answer regenerated, a last message
+    edited), which its own save stores. Without the save, a return of this prompt recomputes that end
+    (llama-server alone would recompute all it does not hold, or load it from its own prompt cache); with
+    it, the waiting request (another conversation, on a server whose slots are all taken, or that
+    question) waits for llama-server's write of the whole slot and the hand-over before it (it goes on
+    ``HANDOVER_AFTER_S`` after the save, and llama-server's queue runs the save first).
 
     With llama-server's own prompt cache on (``llama``), a waiting request that keeps under half of
     the slot has llama-server copy it there first, as alone: a return on this node loads it from
@@ -108,7 +107,7 @@ def end_cheaper(plan: RequestPlan, answer: bytes | None, saver: Saver, cost: Cos
         return True
     kept = max(by_waiter, stored)
     dropped = held - kept + (timings.predicted_n if timings is not None else 0)
-    return cost.recompute_s(max(0, dropped), start=kept) < write + HANDOVER_AFTER_S
+    return cost.recompute_s(max(0, dropped)) < write + HANDOVER_AFTER_S
 
 
 class Aftercare:

@@ -22,12 +22,6 @@ tokens/s), so a rate learned mostly from follow-ups would price a long recompute
 high and choose restores that are slower than llama-server computing the prompt itself. On a CPU
 with attention-bound models, a long prompt runs slower per token than a short one.
 
-A prompt computed after many cached tokens (an end after a restored or held history, at least
-``DEEP_START`` deep) is learned apart too, from prompts of any length but the shortest: each of its
-tokens attends to all before it, and on a CPU 13 tokens 2,000 deep ran at ~35 tokens/s where
-~90-token prompts from the start ran at ~260 (docs/scaling.md §5). A recompute that starts that deep
-is priced at the slower of the two rates.
-
 Rates are exponentially weighted moving averages of what this node measured, starting from
 priors. A restore is chosen only when it is predicted to be clearly faster (``margin``), so a
 short prefix or a fast GPU prefill is recomputed.
@@ -77,10 +71,6 @@ class CostModel:
     # ...and by length: prompts of 32-127, 128-511, 512-2,047 and 2,048 or more tokens computed.
     LENGTH_BOUNDS = (128, 512, 2048)
     LENGTH_LABELS = ("32-127", "128-511", "512-2047", "2048+")  # the metric's names for them
-    # ...and deep: prompts of at least DEEP_MIN_TOKENS computed after DEEP_START cached tokens or more
-    # (fewer tokens measure llama-server's fixed costs: a repeat re-evaluates one token in 16 ms).
-    DEEP_START = 1024
-    DEEP_MIN_TOKENS = 8
     # A learned queue wait halves every this many seconds without a new sample: a wait priced in
     # stops restores at its level, and so its own samples, and a long one (a batch of a long prompt)
     # must not stop them for good; the next restore at that level measures it again.
@@ -93,7 +83,6 @@ class CostModel:
         # By length, one row per level and a last one over all levels; measured only.
         self.prefill_by_length = [[Ewma(0.0) for _ in range(len(self.LENGTH_BOUNDS) + 1)]
                                   for _ in range(self.SHARING_LEVELS + 1)]
-        self.prefill_deep = Ewma(0.0)  # measured only
         self.fetch_bps: dict[str, Ewma] = {}
         self.restore_bps = Ewma(restore_gbps * 1e9)
         self.readable_s_per_token = Ewma(0.0)  # no prior: unknown until this node's first save lands
@@ -106,12 +95,8 @@ class CostModel:
         self.min_tokens = min_tokens
         self._lock = threading.Lock()
 
-    def observe_prefill(self, tokens: int, ms: float, sharing: int = 0, start: int = 0) -> None:
-        """A prompt of ``tokens`` computed in ``ms`` after ``start`` cached tokens, begun beside
-        ``sharing`` other computing slots."""
-        if start >= self.DEEP_START and tokens >= self.DEEP_MIN_TOKENS and ms > 0:
-            with self._lock:
-                self.prefill_deep.update(tokens / (ms / 1000))
+    def observe_prefill(self, tokens: int, ms: float, sharing: int = 0) -> None:
+        """A prompt of ``tokens`` computed in ``ms``, begun beside ``sharing`` other computing slots."""
         # Tiny prefills are dominated by fixed costs and would teach a wrong rate.
         if tokens >= 32 and ms > 0:
             rate, level, length = tokens / (ms / 1000), min(max(sharing, 0), self.SHARING_LEVELS - 1), \
@@ -149,15 +134,9 @@ class CostModel:
             return otherwise
         return row[min(measured, key=lambda i: (abs(i - length), -i))]
 
-    def recompute_s(self, tokens: int, sharing: int | None = None, start: int = 0) -> float:
-        """Seconds to compute ``tokens`` prompt tokens after ``start`` cached ones, begun beside
-        ``sharing`` computing slots."""
-        if tokens <= 0:
-            return 0.0
-        rate = self.prefill_rate(sharing, tokens)
-        if start >= self.DEEP_START and self.prefill_deep.samples:
-            rate = min(rate, self.prefill_deep.value)
-        return tokens / rate
+    def recompute_s(self, tokens: int, sharing: int | None = None) -> float:
+        """Seconds to compute ``tokens`` prompt tokens begun beside ``sharing`` computing slots."""
+        return tokens / self.prefill_rate(sharing, tokens) if tokens > 0 else 0.0
 
     def observe_queue_wait(self, sharing: int, seconds: float) -> None:
         """A restore waited ``seconds`` in llama-server's queue, sent beside ``sharing`` computing slots."""

@@ -105,10 +105,6 @@ class _PrefillCollector:
             if rate.samples:
                 by_length.add_metric([label], rate.value)
         yield by_length
-        if self.cost.prefill_deep.samples:
-            yield GaugeMetricFamily("kvtier_prefill_deep_tokens_per_second", "The prefill rate the cost model learned "
-                                    f"for prompts computed after {self.cost.DEEP_START}+ cached tokens",
-                                    value=self.cost.prefill_deep.value)
 
 
 class _QueueCollector:

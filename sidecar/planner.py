@@ -221,7 +221,7 @@ class RestorePlanner:
         self.metrics.tokens_recomputed.inc(timings.prompt_n)
         if follow_up:  # sent untokenized: what its slot held of it is known only now
             self.metrics.tokens_slot_reused.inc(timings.cache_n)
-        self.cost.observe_prefill(timings.prompt_n, timings.prompt_ms, sharing, start=timings.cache_n)
+        self.cost.observe_prefill(timings.prompt_n, timings.prompt_ms, sharing)
         if restored and prefix_reused(timings, prompt_tokens, restored):
             self._wasted[layout] = 0
         elif restored:

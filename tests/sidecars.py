@@ -48,7 +48,6 @@ class Sidecar:
         cost.prefill_tps = _Pinned(tokens_per_s)
         cost.prefill_shared = [_Pinned(tokens_per_s) for _ in cost.prefill_shared]
         cost.prefill_by_length = [[_Pinned(tokens_per_s) for _ in row] for row in cost.prefill_by_length]
-        cost.prefill_deep = _Pinned(tokens_per_s)
 
     def pin_slot_write(self, seconds_per_byte: float) -> None:
         """Have the cost model expect llama-server to write a slot's file at this rate (a large

@@ -197,7 +197,7 @@ class _Priced:
     def expected_write(self, tokens: int) -> float:
         return self.write_s
 
-    def recompute_s(self, tokens: int, sharing: int | None = None, start: int = 0) -> float:
+    def recompute_s(self, tokens: int, sharing: int | None = None) -> float:
         return tokens / self.tokens_per_s
 
 
@@ -247,17 +247,6 @@ async def test_any_waiting_request_skips_a_save_whose_end_no_tier_holds_costs_le
     assert not aftercare.end_cheaper(aftercare_plan(lease), answer, priced, priced,  # type: ignore[arg-type]
                                      LlamaPromptCache(8192, 1000))
     waiting.cancel()
-
-
-def test_a_recompute_that_starts_deep_is_priced_at_the_rate_of_prompts_computed_deep() -> None:
-    cost = CostModel(prefill_tps=300.0)
-    cost.observe_prefill(90, 350.0)  # ~257 tokens/s from the start
-    cost.observe_prefill(13, 370.0, start=2008)  # ~35 tokens/s 2,008 deep
-    cost.observe_prefill(1, 16.0, start=2021)  # a repeat's one token: llama-server's fixed costs, not learned
-    assert cost.recompute_s(21) == pytest.approx(21 / (90 / 0.35))
-    assert cost.recompute_s(21, start=2008) == pytest.approx(21 / (13 / 0.37))
-    assert cost.recompute_s(21, start=500) == cost.recompute_s(21)  # not deep
-    assert CostModel(prefill_tps=300.0).recompute_s(21, start=2008) == pytest.approx(21 / 300)  # none measured
 
 
 def aftercare_plan(lease: Lease) -> RequestPlan:
