@@ -89,9 +89,9 @@ def end_cheaper(plan: RequestPlan, answer: bytes | None, saver: Saver, cost: Cos
     question) waits for llama-server's write of the whole slot and the hand-over before it (it goes on
     ``HANDOVER_AFTER_S`` after the save, and llama-server's queue runs the save first).
 
-    With llama-server's own prompt cache on (``llama``), a waiting request that keeps under half of
-    the slot has llama-server copy it there first, as alone: a return on this node loads it from
-    there, and only another node would recompute the end. When the tiers hold the rest (an earlier
+    With llama-server's own prompt cache on (``llama``), a waiting request of the same tenant that keeps
+    under half of the slot has llama-server copy it there first, as alone: a return on this node loads it
+    from there, and only another node would recompute the end. When the tiers hold the rest (an earlier
     turn), that end is let go; a first turn is priced as above, and saved for the other nodes."""
     table, slot = plan.lease.table, plan.lease.slot
     write = saver.expected_write(table.held_about(slot))
@@ -103,7 +103,7 @@ def end_cheaper(plan: RequestPlan, answer: bytes | None, saver: Saver, cost: Cos
     held = timings.cache_n + timings.prompt_n if timings is not None else table.held_about(slot)
     stored = record.stored if record.answered is None else table.stored_of(slot, *record.answered)
     by_waiter = table.kept_by_waiter(slot)
-    if stored and llama is not None and llama.keeps(held, by_waiter):
+    if stored and llama is not None and table.waited_by_owner(slot) and llama.keeps(held, by_waiter):
         return True
     kept = max(by_waiter, stored)
     dropped = held - kept + (timings.predicted_n if timings is not None else 0)

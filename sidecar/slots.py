@@ -152,6 +152,12 @@ class SlotRecords:
         return max((common_prefix(answered, tokens) for fut, tokens, want, waiter in self._waiters
                     if not fut.done() and waiter == owner and want in (None, slot)), default=0)
 
+    def waited_by_owner(self, slot: int) -> bool:
+        """Whether every request waiting that ``slot`` could serve is of the tenant it holds (one of
+        another tenant has the slot erased before use, which llama-server's own cache keeps no copy of)."""
+        owner = self.slots[slot].hot()[1]
+        return all(waiter == owner for fut, _, want, waiter in self._waiters if not fut.done() and want in (None, slot))
+
     def wanted(self, slot: int) -> bool:
         """Whether a request waits that ``slot`` could serve (it asked for that slot, or any)."""
         return any(not fut.done() and want in (None, slot) for fut, _, want, _ in self._waiters)

@@ -227,15 +227,20 @@ async def test_any_waiting_request_skips_a_save_whose_end_no_tier_holds_costs_le
     await asyncio.sleep(0)
     assert aftercare.end_cheaper(plan, answer, priced, priced)  # type: ignore[arg-type]
     # Priced dearer than the wait, it is let go all the same where llama-server's own prompt cache
-    # copies the slot before the waiting request (it keeps none of it) and the tiers hold the rest.
+    # copies the slot before the waiting request (it keeps none of it) and the tiers hold the rest;
+    # not for another tenant's request, which has the slot erased (no copy).
     dear = _Priced(write_s=0.2, tokens_per_s=10.0)
     assert not aftercare.end_cheaper(plan, answer, dear, dear)  # type: ignore[arg-type]
+    assert not aftercare.end_cheaper(plan, answer, dear, dear, LlamaPromptCache(8192, 1000))  # type: ignore[arg-type]
+    same = asyncio.ensure_future(table.acquire(np.arange(60_000, 60_500, dtype=np.int32), owner="t"))
+    other.cancel()
+    await asyncio.sleep(0)
     assert aftercare.end_cheaper(plan, answer, dear, dear, LlamaPromptCache(8192, 1000))  # type: ignore[arg-type]
     assert not aftercare.end_cheaper(plan, answer, dear, dear, LlamaPromptCache(0, 1000))  # type: ignore[arg-type]
     table.skip_save(lease.slot, ())
     assert table.slots[lease.slot].stored == 2008  # the slot holds the second prompt; the tiers, the first
     table.end_save(lease)
-    (await other).release()
+    (await same).release()
     # The same for a first turn (the tiers hold none of it): its 2,046 tokens cost 2 s to recompute.
     fresh = SlotTable(1)
     lease = await fresh.acquire(second, owner="t")
