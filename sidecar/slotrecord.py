@@ -46,10 +46,11 @@ class Slot:
     stored: int = 0  # how many of ``tokens`` the tiers were given (a save stored, a restore read them)
 
     def hot(self) -> tuple[np.ndarray, str]:
-        """What the slot holds at least, and for which tenant: while its save runs, the prompt it just
-        answered (known before the save reads the slot), else ``tokens``. While it saves, ``tokens`` is
-        what it held before that answer (the save sets them and ends ``saving`` in one step), which the
-        answer replaced past their common prefix, however long it was."""
+        """What the slot holds at least, and for which tenant: while its save runs, the prompt
+        it just answered (known before the save reads the slot), else ``tokens``. While it
+        saves, ``tokens`` is what it held before that answer (the save sets them and ends
+        ``saving`` in one step), which the answer replaced past their common prefix, however
+        long it was."""
         if self.saving and self.answered is not None:
             return self.answered
         return self.tokens, self.owner

@@ -33,12 +33,12 @@ LIVE_S = 600.0
 
 
 def _worth(slot: Slot, reused: int, coldest: Slot, now: float) -> int:
-    """What taking idle ``slot`` is worth to a request that reuses ``reused`` of its tokens: those tokens,
-    less the ones it would overwrite when they belong to a live conversation (used within ``LIVE_S``)
-    while a colder slot is free. So a request that shares a system prompt with another conversation takes
-    the empty or coldest slot rather than that conversation's, whose next turn then finds its slot still
-    holding it; one that continues a slot (nothing overwritten) or reuses more than it overwrites takes
-    that slot."""
+    """What taking idle ``slot`` is worth to a request that reuses ``reused`` of its tokens:
+    those tokens, less the ones it would overwrite when they belong to a live conversation
+    (used within ``LIVE_S``) while a colder slot is free. So a request that shares a system
+    prompt with another conversation takes the empty or coldest slot rather than that
+    conversation's, whose next turn then finds its slot still holding it; one that
+    continues a slot (nothing overwritten) or reuses more than it overwrites takes that slot."""
     lost = 0 if slot.unknown else int(slot.tokens.size) - reused
     live = slot is not coldest and now - slot.last_used < LIVE_S
     return reused - lost if live else reused
@@ -49,7 +49,8 @@ class Lease:
     """A slot granted to one request, bound to the table it came from.
 
     ``release()`` gives it back to that table (not to a table that replaced it since, after
-    llama-server restarted) and is idempotent; ``with lease:`` releases on exit."""
+    llama-server restarted) and is idempotent; ``with lease:`` releases on exit.
+    """
 
     table: SlotTable
     slot: int
@@ -182,12 +183,12 @@ class SlotRecords:
         return holds()
 
     def hand_over(self, lease: Lease) -> None:
-        """The save after ``lease``'s answer is sent but not done (it waits in llama-server's queue behind
-        other slots' batches) and a request waits for the slot: the slot goes to it now. llama-server
-        runs its queued tasks in order, so that save still reads what the answer left before the next
-        request's task starts. The slot holds at least the prompt it answered, and the request it
-        answered asked what it asked (its follow-ups may go there, as after ``skip_save``); the save
-        records nothing when it ends (``record_saved``)."""
+        """The save after ``lease``'s answer is sent but not done (it waits in llama-server's queue
+        behind other slots' batches) and a request waits for the slot: the slot goes to it now.
+        llama-server runs its queued tasks in order, so that save still reads what the answer left
+        before the next request's task starts. The slot holds at least the prompt it answered, and
+        the request it answered asked what it asked (its follow-ups may go there, as after
+        ``skip_save``); the save records nothing when it ends (``record_saved``)."""
         asked = self.slots[lease.slot].answered_asked
         self._holds_answered(lease.slot)
         self.slots[lease.slot].asked = asked
