@@ -9,6 +9,7 @@ its state is read; the marks go once Redis holds what was stored.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -76,7 +77,7 @@ def save_pause(write_s: float | None, step_gap: float | None = None) -> float:
     return max(SAVE_DELAY_S, scaled)
 
 
-def end_cheaper(plan: RequestPlan, answer: bytes | None, saver: Saver, cost: CostModel,
+def end_cheaper(plan: RequestPlan, timings: Callable[[], Timings | None], saver: Saver, cost: CostModel,
                 llama: LlamaPromptCache | None = None) -> bool:
     """Whether a request waits for the slot that ``plan`` answered on, and recomputing the end that only
     this save would store costs less than the wait for the save. The end is what the slot answered (its
@@ -97,16 +98,15 @@ def end_cheaper(plan: RequestPlan, answer: bytes | None, saver: Saver, cost: Cos
     write = saver.expected_write(table.held_about(slot))
     if write is None or not table.wanted(slot):
         return False
-    record = table.slots[slot]
-    timings = Timings.from_answer(answer) if answer is not None else None
+    said = timings()  # the answer's (read once per save, and only past the checks above)
     # A follow-up's prompt (no tokens known) continues what the slot held: its timings tell its size.
-    held = timings.cache_n + timings.prompt_n if timings is not None else table.held_about(slot)
-    stored = record.stored if record.answered is None else table.stored_of(slot, *record.answered)
+    held = said.cache_n + said.prompt_n if said is not None else table.held_about(slot)
+    stored = table.stored_answered(slot)
     by_waiter = table.kept_by_waiter(slot)
     if stored and llama is not None and table.waited_by_owner(slot) and llama.keeps(held, by_waiter):
         return True
     kept = max(by_waiter, stored)
-    dropped = held - kept + (timings.predicted_n if timings is not None else 0)
+    dropped = held - kept + (said.predicted_n if said is not None else 0)
     return cost.recompute_s(max(0, dropped)) < write + HANDOVER_AFTER_S
 
 
@@ -210,10 +210,9 @@ class Aftercare:
             if stored:
                 await self.saver.readable(answered, int(plan.tokens.size))
 
-    def _learn(self, plan: RequestPlan, answer: bytes) -> None:
+    def _learn(self, plan: RequestPlan, timings: Timings | None) -> None:
         """Learn from the answer's timings; doubt the server when it reused less than planned."""
         target = self.watcher.target
-        timings = Timings.from_answer(answer)
         if not plan.restored_tokens and plan.llama_reused > plan.lease.cached_tokens:  # left to llama-server's cache
             self.watcher.llama_cache.answered(plan.llama_reused, timings, int(plan.tokens.size))
         if not self.planner.learn(
@@ -229,13 +228,14 @@ class Aftercare:
         ``cut`` as in ``finish``."""
         lease = plan.lease
         table = lease.table
+        timings = functools.cache(lambda: Timings.from_answer(answer) if answer is not None else None)
         await self._paused(plan, ok)
         # A request waiting for the slot takes it, and is sent on, before the answer is read (the
         # yield): reading it is off that request's path.
-        if skipped := self._skip(plan, ok, answer, free, known=self.watcher.confirmed):
+        if skipped := self._skip(plan, ok, timings, free, known=self.watcher.confirmed):
             await asyncio.sleep(0)
         if answer is not None:
-            self._learn(plan, answer)
+            self._learn(plan, timings())
         if skipped:
             return False
         if not ok and not cut:
@@ -249,7 +249,7 @@ class Aftercare:
         if await self._server_changed(plan):
             table.forget(lease.slot)
             return False
-        if self._skip(plan, ok, answer, free, known=True):
+        if self._skip(plan, ok, timings, free, known=True):
             return False
 
         def read() -> None:
@@ -298,7 +298,7 @@ class Aftercare:
         lease = plan.lease
         return save_pause(self.saver.expected_write(lease.table.held_about(lease.slot)), plan.step_gap)
 
-    def _skip(self, plan: RequestPlan, ok: bool, answer: bytes | None, free: Callable[[], None], *,
+    def _skip(self, plan: RequestPlan, ok: bool, timings: Callable[[], Timings | None], free: Callable[[], None], *,
               known: bool) -> bool:
         """Skip the save when a request of the same tenant already waits for this slot that
         repeats or continues the prompt it answered (its own save stores all this one would, and
@@ -311,7 +311,7 @@ class Aftercare:
             return False
         if lease.table.awaited(lease.slot):
             self.metrics.saves_skipped.inc()
-        elif end_cheaper(plan, answer, self.saver, self.planner.cost, self.watcher.llama_cache):
+        elif end_cheaper(plan, timings, self.saver, self.planner.cost, self.watcher.llama_cache):
             self.metrics.saves_skipped.inc()
             self.metrics.saves_skipped_ends.inc()
         else:

@@ -206,9 +206,15 @@ class SlotRecords:
         knew stays: the conversation it continued, the same tenant's."""
         record = self.slots[slot]
         if record.answered is not None:
-            stored = self.stored_of(slot, *record.answered)
+            stored = self.stored_answered(slot)
             self.set_tokens(slot, record.answered[0], owner=record.answered[1])
             record.stored = stored
+
+    def stored_answered(self, slot: int) -> int:
+        """How many tokens of the prompt ``slot`` answered last the tiers hold (by what it held before;
+        a follow-up's, whose tokens are not known, continues all of that)."""
+        record = self.slots[slot]
+        return record.stored if record.answered is None else self.stored_of(slot, *record.answered)
 
     def stored_of(self, slot: int, tokens: np.ndarray, owner: str) -> int:
         """How many of ``tokens`` (tenant ``owner``'s) the tiers hold by what ``slot`` holds."""

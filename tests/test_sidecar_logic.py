@@ -219,7 +219,10 @@ async def test_any_waiting_request_skips_a_save_whose_end_no_tier_holds_costs_le
     lease = await table.acquire(second, owner="t")
     assert lease.cached_tokens == 2008
     table.begin_save(lease.slot, (second, "t"))
-    answer = json.dumps({"content": "x", "timings": {"prompt_n": 30, "cache_n": 2008, "predicted_n": 8}}).encode()
+    body = json.dumps({"content": "x", "timings": {"prompt_n": 30, "cache_n": 2008, "predicted_n": 8}}).encode()
+
+    def answer() -> Timings | None:
+        return Timings.from_answer(body)
     plan = aftercare_plan(lease)
     priced = _Priced(write_s=0.2, tokens_per_s=1000.0)
     assert not aftercare.end_cheaper(plan, answer, priced, priced)  # type: ignore[arg-type]  # no one waits
