@@ -196,6 +196,8 @@ def test_neverworse_rows_and_their_section() -> None:
             "sibling_at_once": [{"sibling_ttft_ms": t, "sibling_computed": 12} for t in (300.0, 500.0, 400.0)],
             "other_at_once": [{"other_ttft_ms": 200.0, "other_computed": 90, "return_ttft_ms": 700.0,
                                "return_computed": 40}],
+            "beside_save": [{"other_ttft_ms": t, "other_total_ms": t + 700, "other_computed": 476}
+                            for t in (1500.0, 1600.0, 1400.0)],
             "agent_subagents": [{"finalize_ratio": 0.1, "finalize_ttft_ms": 900.0, "finalize_computed": 20}]}
     sidecars = [{"kvtier_server_checks_seconds_count": n, "kvtier_server_checks_seconds_sum": n * 0.5}
                 for n in (1.0, 2.0)]
@@ -206,6 +208,8 @@ def test_neverworse_rows_and_their_section() -> None:
     assert ["loaded", "abort_reprompt (other node)", "kvtier-cache-ram-0", "prefix reused (p50)", 0.99, 10] in rows
     assert ["quiet", "sibling_at_once", "alone", "sibling TTFT ms (p50)", 400.0, 12] in rows
     assert ["quiet", "other_at_once", "alone", "second turn's return TTFT ms (p50)", 700.0, 40] in rows
+    assert ["quiet", "beside_save", "alone", "new conversation beside a save: TTFT ms (p50)", 1500.0, 476] in rows
+    assert ["quiet", "beside_save", "alone", "the same: whole 32-token answer ms (p50)", 2200.0, 476] in rows
     settings = {"slots": 4, "ctx": 16384, "threads": 2, "reps": 2, "prefix": 1500, "abort_after": 64,
                 "main_tokens": 2000, "sub_tokens": 1500}
     table = [dict(zip(["load", "scenario", "mode", "figure", "value", "computed"], r, strict=True)) for r in rows]
