@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tiers.keys import Namespace
-from tiers.pending import PendingSaves
+from tiers.pending import Lift, PendingSaves
 from tiers.redis_backend import RedisBackend
 from tiers.sessions import Manifest, SessionStore
 from tiers.store import TieredStore
@@ -150,8 +150,9 @@ class SaveMarks:
         self.expected = expected
         self._tasks: set[asyncio.Task[None]] = set()
 
-    def held(self, namespace: Namespace, tokens: np.ndarray) -> contextlib.AbstractAsyncContextManager[None]:
-        """Marks for a save of a state that starts with ``tokens``, held for the block."""
+    def held(self, namespace: Namespace, tokens: np.ndarray) -> contextlib.AbstractAsyncContextManager[Lift]:
+        """Marks for a save of a state that starts with ``tokens``, held for the block (or until
+        it calls the ``Lift`` it is given)."""
         seconds = self.expected(int(tokens.size)) if self.expected is not None else None
         ready_at = time.time() + seconds if seconds is not None else 0.0
         return pending_save(self.pending, namespace, tokens, self.node, ready_at=ready_at)

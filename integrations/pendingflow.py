@@ -19,7 +19,7 @@ import numpy as np
 
 from tiers.errors import KVTierError
 from tiers.keys import Namespace, pending_key, prefix_chain, tail_hash_after, tail_hashes
-from tiers.pending import PendingMark, PendingSaves
+from tiers.pending import Lift, PendingMark, PendingSaves
 
 from .kvflow import PrefixFound, restorable_tokens
 from .prefixrefs import REF_STEP
@@ -111,13 +111,18 @@ async def wait_for_pending(pending: PendingSaves, namespace: Namespace, tokens: 
 
 @contextlib.asynccontextmanager
 async def pending_save(pending: PendingSaves | None, namespace: Namespace, tokens: np.ndarray,
-                       node: str, *, ready_at: float = 0.0) -> AsyncIterator[None]:
+                       node: str, *, ready_at: float = 0.0) -> AsyncIterator[Lift]:
     """Marks for a save of a state that starts with ``tokens`` (``pending_marks``), held for the
-    block: other nodes' next turns of it may wait for it. ``ready_at``: when Redis should hold
-    it (``time.time()``; 0 for no estimate). Nothing without ``pending``."""
+    block (which may lift them before it ends): other nodes' next turns of it may wait for it.
+    ``ready_at``: when Redis should hold it (``time.time()``; 0 for no estimate). Nothing without
+    ``pending``."""
     if pending is None or not tokens.size:
-        yield
+        yield _nothing_to_lift
         return
     keys = [key for key, _ in pending_marks(namespace, tokens)]
-    async with pending.held(keys, PendingMark(int(tokens.size), node, ready_at)):
-        yield
+    async with pending.held(keys, PendingMark(int(tokens.size), node, ready_at)) as lift:
+        yield lift
+
+
+async def _nothing_to_lift() -> None:
+    pass

@@ -55,6 +55,25 @@ async def test_a_save_does_not_wait_for_its_markers_and_clears_them_once_they_la
         await connection.aclose()
 
 
+async def test_a_save_that_lifts_its_markers_has_them_gone_at_once_and_never_renewed(redis_srv: RedisProc) -> None:
+    # A save held back for seconds (``aftercare.held_beside``) lifts its markers: no one waits for it.
+    connection = RedisConnection(redis_srv.url, socket_timeout=5)
+    pending = PendingSaves(connection, ttl=0.3)  # renewed every 0.1 s
+    r = redis.Redis(port=redis_srv.port)
+    try:
+        async with pending.held(KEYS, MARK) as lift:
+            await lift()  # right after the block began: waits for the markers to land, then deletes them
+            assert r.exists(*KEYS) == 0
+            r.set(KEYS[0], b"another save's")  # renewals past the lift would keep it alive
+            await asyncio.sleep(0.5)
+            assert r.exists(KEYS[0]) == 1 and r.pttl(KEYS[0]) == -1
+            await lift()  # once is enough: a second changes nothing
+        assert r.get(KEYS[0]) == b"another save's", "the exit deleted markers that were no longer its own"
+    finally:
+        r.close()
+        await connection.aclose()
+
+
 async def test_a_save_cancelled_while_its_markers_are_on_their_way_leaves_nothing_renewing(
         redis_srv: RedisProc) -> None:
     connection = RedisConnection(redis_srv.url, socket_timeout=5)

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import struct
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 from .errors import KVTierError
@@ -33,6 +33,7 @@ MAGIC = b"KVP2"
 _HEAD = struct.Struct("<4sIQ")  # magic, tokens the save covers at least, expected readable (unix ms, 0:
 # no estimate); then the node id (UTF-8)
 MAX_NODE_BYTES = 128
+Lift = Callable[[], Awaitable[None]]  # deletes a save's markers before its block ends (``PendingSaves.held``)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,10 +86,11 @@ class PendingSaves:
         await self.connection.pipeline("pending renew", lambda pipe: [pipe.pexpire(k, self.ttl_ms) for k in keys])
 
     @contextlib.asynccontextmanager
-    async def held(self, keys: Sequence[bytes], mark: PendingMark) -> AsyncIterator[None]:
+    async def held(self, keys: Sequence[bytes], mark: PendingMark) -> AsyncIterator[Lift]:
         """Markers for the duration of a save: set as the block begins, renewed every third of
-        ``ttl``, deleted on exit however it ends. Never raises for Redis: without markers, other
-        nodes only do not wait.
+        ``ttl``, deleted on exit however it ends, or before by the ``Lift`` the block is given (a
+        save that will not run soon: no one should wait for it). Never raises for Redis: without
+        markers, other nodes only do not wait.
 
         The block does not wait for Redis to take them: a save waits a moment before it reads its
         slot, and a request that takes the slot over meanwhile (the same prompt again) must not wait
@@ -99,19 +101,33 @@ class PendingSaves:
         was_set: asyncio.Future[bool] = loop.create_future()
         holder = loop.create_task(self._hold(keys, mark, was_set))
         holder.add_done_callback(lambda _: _settle(was_set, False))  # cancelled before it began
+        lifted = False
+
+        async def lift() -> None:
+            nonlocal lifted
+            if not lifted:
+                lifted = True
+                await self._release(keys, was_set, holder)
+
         try:
-            yield
+            yield lift
         finally:
-            try:
-                marked = await asyncio.shield(was_set)
-            finally:
-                holder.cancel()  # never left renewing, even when this wait is cancelled
-            if marked:
+            if not lifted:
+                await self._release(keys, was_set, holder, first_the_ready=True)
+
+    async def _release(self, keys: Sequence[bytes], was_set: asyncio.Future[bool], holder: asyncio.Task[None], *,
+                       first_the_ready: bool = False) -> None:
+        try:
+            marked = await asyncio.shield(was_set)
+        finally:
+            holder.cancel()  # never left renewing, even when this wait is cancelled
+        if marked:
+            if first_the_ready:
                 await asyncio.sleep(0)
-                try:
-                    await self.clear(keys)
-                except KVTierError as exc:
-                    log.debug("pending-save markers not cleared (they expire): %s", exc)
+            try:
+                await self.clear(keys)
+            except KVTierError as exc:
+                log.debug("pending-save markers not cleared (they expire): %s", exc)
 
     async def _hold(self, keys: Sequence[bytes], mark: PendingMark, was_set: asyncio.Future[bool]) -> None:
         """Set the markers, say whether they may be set, then renew them until cancelled."""
