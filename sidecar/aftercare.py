@@ -17,6 +17,7 @@ from typing import Any
 
 from integrations.llama_server import Timings
 from integrations.memkind import MemoryKind
+from tiers.pending import Lift
 from tiers.sessions import SessionStore
 from tiers.store import TieredStore
 from tiers.threads import in_thread
@@ -29,6 +30,7 @@ from .planner import RestorePlanner
 from .prompts import PromptTokens
 from .requestplan import NO_TOKENS, RequestPlan
 from .saver import Saver
+from .slots import SlotTable
 from .watcher import ServerWatcher
 
 log = logging.getLogger("kvtier.engine")
@@ -61,6 +63,11 @@ FOLLOW_UP_PAUSE_MAX_S = 2.0
 # that came meanwhile get LATE_GRACE_S to be read and ask for the slot before the save goes on.
 LATE_S = 0.02
 LATE_GRACE_S = 0.05
+# Longest a save waits after its answer while other slots compute (``--save-defer``): llama-server's
+# write of the slot stops every slot, and kvtier's work on it takes CPU from them. A new ~480-token
+# prompt on another slot beside the save of a 1,900-token answer (8B-shaped KV, 235 MB, 2 cores)
+# took 1.9x as long as on llama-server alone.
+SAVE_DEFER_S = 10.0
 # How long a save's request is in flight before its slot may go to a request that waits for it
 # (``Aftercare._hand_over_when_wanted``): by then llama-server has queued the save.
 HANDOVER_AFTER_S = 0.05
@@ -110,16 +117,38 @@ def end_cheaper(plan: RequestPlan, timings: Callable[[], Timings | None], saver:
     return cost.recompute_s(max(0, dropped)) < write + HANDOVER_AFTER_S
 
 
+async def held_beside(table: SlotTable, slot: int, limit: float, draining: Callable[[], bool],
+                      lift: Lift) -> float | None:
+    """Hold the save of ``slot`` back while other slots compute, ``limit`` seconds at most; the
+    seconds it waited, None when none computed (or ``limit`` is 0). llama-server alone would run
+    them with nothing beside. It goes once none computes, when a request wants its slot (a next
+    turn that then skips it, or one that every slot busy leaves waiting), or when a drain begins.
+
+    Called after the pause (``Aftercare._paused``: the next request of a busy client comes within
+    it) and the skip checks, which are made again after it. Its pending-save marks are lifted first
+    (``lift``): another node's next turn meanwhile does not wait for a save that may be seconds
+    away, and restores what the tiers hold. A session's save, and a cut answer's (which a re-prompt
+    on another node restores), are not held back."""
+    if limit <= 0 or not table.computing or table.wanted(slot) or draining():
+        return None
+    t0 = time.perf_counter()
+    await lift()
+    await table.until_alone(slot, limit, stop=draining)
+    return time.perf_counter() - t0
+
+
 class Aftercare:
     """Saves each answered request's slot in the background and releases it; owns those tasks.
 
     Args:
         session_slots: the engine's map of session id to the slot that served it last; a
             session saved after its answer is recorded there.
+        defer_s: longest a save waits while other slots compute (``_beside``; 0: never).
     """
 
     def __init__(self, watcher: ServerWatcher, planner: RestorePlanner, saver: Saver, store: TieredStore,
-                 sessions: SessionStore, prompts: PromptTokens, metrics: Metrics, session_slots: dict[str, int]):
+                 sessions: SessionStore, prompts: PromptTokens, metrics: Metrics, session_slots: dict[str, int],
+                 defer_s: float = SAVE_DEFER_S):
         self.watcher = watcher
         self.planner = planner
         self.saver = saver
@@ -128,6 +157,8 @@ class Aftercare:
         self.prompts = prompts
         self.metrics = metrics
         self.session_slots = session_slots
+        self.defer_s = defer_s
+        self._draining = 0  # drains under way: no save waits beside other slots meanwhile (``held_beside``)
         self._pending: set[asyncio.Task[None]] = set()
         self._saving: set[asyncio.Task[Any] | None] = set()  # of those, the ones still saving (the gauge)
 
@@ -139,9 +170,8 @@ class Aftercare:
         part of an answer), which a re-prompt with the same start reuses on llama-server alone: it
         is saved and stored too, as what the slot holds (never as a session's turn).
         """
-        # A cut session turn is not kept; any other cut answer's slot holds its prompt too: a
-        # re-prompt here waits for this slot rather than take a cold one, and other nodes may wait
-        # for its save, as for any answer.
+        # A cut session turn is not kept; any other cut answer's slot holds its prompt too: a re-prompt here
+        # waits for this slot rather than take a cold one, and other nodes may wait for its save, as for any answer.
         cut = cut and plan.session_id is None
         # A follow-up's prompt was never tokenized (``KVEngine.follow_up``): what its slot holds at
         # least is not known before the save reads it, so no tokenized waiter is taken for its
@@ -166,13 +196,17 @@ class Aftercare:
 
     async def drain(self, timeout: float) -> bool:
         """Wait for the saves in flight and the marked stores the saver runs in the background
-        (graceful shutdown); False when ``timeout`` passed first."""
+        (graceful shutdown); False when ``timeout`` passed first. Saves held back beside other slots
+        go at once."""
         t0 = time.perf_counter()
-        if self._pending:
-            _, pending = await asyncio.wait(set(self._pending), timeout=timeout)
-            if pending:
-                return False
-        return await self.saver.marks.drain(max(0.0, timeout - (time.perf_counter() - t0)))
+        self._draining += 1
+        if (table := self.watcher.slots) is not None:
+            table.nudge()
+        try:
+            left = self._pending and (await asyncio.wait(set(self._pending), timeout=timeout))[1]
+            return not left and await self.saver.marks.drain(max(0.0, timeout - (time.perf_counter() - t0)))
+        finally:
+            self._draining -= 1
 
     async def _save_then_release(self, plan: RequestPlan, ok: bool, answer: bytes | None, answered: float,
                                  cut: bool = False) -> None:
@@ -186,9 +220,9 @@ class Aftercare:
         # reaches one of them may wait for it rather than recompute (saver.marks). The slot is
         # free again once its state is read; the markers stay until Redis holds what was stored.
         stored = False
-        async with self.saver.marks.held(plan.namespace, plan.tokens if ok or cut else NO_TOKENS):
+        async with self.saver.marks.held(plan.namespace, plan.tokens if ok or cut else NO_TOKENS) as lift:
             try:
-                stored = await self._save(plan, ok, answer, free, cut=cut)
+                stored = await self._save(plan, ok, answer, free, lift, cut=cut)
             except Exception as exc:
                 # A failed save (a full slot dir, an unreachable tier) leaves the slot as the answer
                 # left it: what the table knew of it before may not be a prefix of that any more.
@@ -221,11 +255,11 @@ class Aftercare:
                 layout=target.memory_kind if target is not None else MemoryKind.KV, sharing=plan.sharing):
             self.watcher.doubt()  # a restart it has not noticed yet? Check before the next request
 
-    async def _save(self, plan: RequestPlan, ok: bool, answer: bytes | None, free: Callable[[], None], *,
-                    cut: bool = False) -> bool:
+    async def _save(self, plan: RequestPlan, ok: bool, answer: bytes | None, free: Callable[[], None], lift: Lift,
+                    *, cut: bool = False) -> bool:
         """Learn from the answer, then save the slot's state; False when nothing was stored.
         ``free`` gives the slot back as soon as its state is read (or nothing is to be read);
-        ``cut`` as in ``finish``."""
+        ``lift`` deletes the save's pending marks (``held_beside``); ``cut`` as in ``finish``."""
         lease = plan.lease
         table = lease.table
         timings = functools.cache(lambda: Timings.from_answer(answer) if answer is not None else None)
@@ -246,6 +280,9 @@ class Aftercare:
                 await self.sessions.touch(plan.namespace, plan.restored_session)
             await self._server_changed(plan)  # counted when a restart broke the answer off
             return False
+        if not cut and plan.session_id is None and (waited := await held_beside(
+                table, lease.slot, self.defer_s, lambda: self._draining > 0, lift)) is not None:
+            self.metrics.save_deferred_seconds.observe(waited)
         if await self._server_changed(plan):
             table.forget(lease.slot)
             return False

@@ -152,6 +152,10 @@ class Settings:
                                               "slots", _bool)
     queue_limit: int = _option(32, "pending background Redis write jobs (one per saved slot) before the oldest "
                                    "is dropped", _int)
+    save_defer: float = _option(10.0, "longest a save waits after its answer while other slots compute "
+                                      "(llama-server's write of the slot stops them, kvtier's work takes CPU "
+                                      "from them); it goes at once when a request wants its slot. 0: never waits",
+                                _float)
     save_wait: float = _option(2.0, "longest a request waits for another node's save in flight that holds more of "
                                      "its prompt than the tiers do; the cost model may wait less (0: never wait)",
                                _float)
@@ -355,8 +359,9 @@ def validate(s: Settings) -> None:
         raise ConfigError("max_json_values, max_grammar_chars and max_grammar_depth must not be negative")
     if not 1 <= s.max_json_depth <= 254:
         raise ConfigError(f"max_json_depth must be in 1..254, got {s.max_json_depth}")
-    if not 0 <= s.save_wait <= 60:
-        raise ConfigError("save_wait must be between 0 and 60 seconds")
+    for name, most in (("save_defer", 600), ("save_wait", 60)):
+        if not 0 <= getattr(s, name) <= most:
+            raise ConfigError(f"{name} must be between 0 and {most} seconds")
     if s.llama_cache_ram is not None and s.llama_cache_ram < -1:
         raise ConfigError(f"llama_cache_ram must be -1 (no limit), 0 (off) or a size in MiB, got {s.llama_cache_ram}")
     if s.restore_min_tokens < 0:

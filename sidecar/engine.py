@@ -78,7 +78,7 @@ class KVEngine:
         self.session_slots: dict[str, int] = {}  # session id -> the slot that served it last
         self._session_tier = _session_tier(store, sessions)
         self.aftercare = Aftercare(self.watcher, self.planner, self.saver, store, sessions, self.prompts, metrics,
-                                   self.session_slots)
+                                   self.session_slots, settings.save_defer)
 
     # -- the server, as the watcher knows it ------------------------------------------------------
 

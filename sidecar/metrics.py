@@ -123,6 +123,7 @@ class Metrics:
         self.registry = CollectorRegistry()
         r = self.registry
         self._restore_metrics(r)
+        self._save_metrics(r)
         self.requests = Counter("kvtier_requests", "Completion requests by path and outcome", ["path", "outcome"], registry=r)
         self.tokens_restored = Counter("kvtier_tokens_restored", "Prompt tokens restored from the tiers", registry=r)
         self.tokens_recomputed = Counter("kvtier_tokens_recomputed", "Prompt tokens llama-server computed (prompt_n)", registry=r)
@@ -147,10 +148,6 @@ class Metrics:
                                         "answer (--save-prompt-end): stored, or failed (the request goes on)",
                                         ["outcome"], registry=r)
         self.cache_errors = Counter("kvtier_cache_errors", "Cache failures that fell back to recompute", ["stage"], registry=r)
-        self.save_seconds = Histogram("kvtier_save_seconds", "Slot save + split + store", buckets=LATENCY_BUCKETS, registry=r)
-        self.save_readable_seconds = Histogram(
-            "kvtier_save_readable_seconds", "From the end of an answer until Redis holds its new chunks and tail "
-            "(when another node's next turn can restore it)", buckets=LATENCY_BUCKETS, registry=r)
         self.save_waits = Counter("kvtier_save_waits", "Requests that waited for another save in flight: landed "
                                   "(it brought more), failed (gone, nothing more), timeout; skipped: not "
                                   "waited for, expected later than waiting would pay", ["outcome"], registry=r)
@@ -179,6 +176,16 @@ class Metrics:
             "kvtier_event_loop_lag_seconds", "How late the event loop woke for a timer (sampled every 0.1 s): "
             "every request it relays waits as long (a save thread's GIL, CPU taken by others)",
             buckets=FAST_BUCKETS, registry=r)
+
+    def _save_metrics(self, r: CollectorRegistry) -> None:
+        """How long saves took, waited and took to reach Redis."""
+        self.save_seconds = Histogram("kvtier_save_seconds", "Slot save + split + store", buckets=LATENCY_BUCKETS, registry=r)
+        self.save_deferred_seconds = Histogram("kvtier_save_deferred_seconds", "Time a save waited after its answer "
+                                               "while other slots computed (--save-defer)", buckets=LATENCY_BUCKETS,
+                                               registry=r)
+        self.save_readable_seconds = Histogram(
+            "kvtier_save_readable_seconds", "From the end of an answer until Redis holds its new chunks and tail "
+            "(when another node's next turn can restore it)", buckets=LATENCY_BUCKETS, registry=r)
 
     def _restore_metrics(self, r: CollectorRegistry) -> None:
         """What restores did, how long they took and what came of them."""

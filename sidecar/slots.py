@@ -112,6 +112,7 @@ class SlotRecords:
         record.answered = answered
         record.answered_asked = asked
         record.answered_at = self._clock()
+        self.nudge()  # one slot fewer computing: a save waiting beside it checks
 
     def since_answer(self, slot: int) -> float | None:
         """Seconds since ``slot``'s last answer ended; None before its first."""
@@ -167,9 +168,15 @@ class SlotRecords:
         """Wait up to ``timeout`` seconds (None: no limit) for ``slot`` to be ``wanted``; whether it is."""
         return await self._until(slot, lambda: self.wanted(slot), timeout)
 
+    def nudge(self) -> None:
+        """Saves waiting on the table look again (``_until``): a slot was released, or a drain began."""
+        for event in self._watched.values():
+            event.set()
+
     async def _until(self, slot: int, holds: Callable[[], bool], timeout: float | None) -> bool:
         """Wait up to ``timeout`` seconds (None: no limit) for ``holds()``, checked again each time
-        a request starts waiting (the save of ``slot`` waits, one at a time); whether it holds."""
+        a request starts waiting or a slot is released (``nudge``; the save of ``slot`` waits, one
+        at a time); whether it holds."""
         event = self._watched[slot] = asyncio.Event()
         try:
             async with asyncio.timeout(timeout):
@@ -293,6 +300,12 @@ class SlotTable(SlotRecords):
         """Slots running a request (a slot whose answer is being saved is not computing)."""
         return sum(1 for s in self.slots if s.busy and not s.saving)
 
+    async def until_alone(self, slot: int, timeout: float, *, stop: Callable[[], bool] = lambda: False) -> bool:
+        """Wait up to ``timeout`` seconds while other slots compute (``computing``), for ``slot``'s
+        save: until none does, ``slot`` is ``wanted``, or ``stop()``; whether it was wanted."""
+        await self._until(slot, lambda: not self.computing or self.wanted(slot) or stop(), timeout)
+        return self.wanted(slot)
+
     def _choose(self, tokens: np.ndarray, want: int | None, owner: str) -> Lease | int | None:
         """The lease for the best idle slot (``_worth``); or the id of a slot whose save is running
         and which holds more of ``tokens`` than any idle one (worth the few milliseconds its save
@@ -333,8 +346,7 @@ class SlotTable(SlotRecords):
         entry = (fut, tokens, want, owner)
         self._waiters.append(entry)
         self._wake()  # those ahead may wait for one slot in particular: this one may still go now
-        for event in self._watched.values():  # a save waiting for a waiter checks this one
-            event.set()
+        self.nudge()  # a save waiting for a waiter checks this one
         try:  # without a timeout, no shield: the waiter wakes in the loop's next turn, not its second
             lease = await (fut if timeout is None else asyncio.wait_for(asyncio.shield(fut), timeout))
         except (TimeoutError, asyncio.CancelledError):
@@ -401,6 +413,7 @@ class SlotTable(SlotRecords):
         self.slots[slot].busy = False
         self.slots[slot].last_used = self._clock()
         self._wake()
+        self.nudge()  # one slot fewer computing: a save waiting beside it checks
 
     def _wake(self) -> None:
         # FIFO among waiters; one waiting for a specific busy slot does not block the others.

@@ -70,6 +70,7 @@ SAMPLES: dict[str, tuple[Any, Any]] = {
     "keep_restore_files": ("0", 0),
     "save_nice": ("0", 0),
     "save_cpu_share": ("0.5", 0.5),
+    "save_defer": ("2.5", 2.5),
 }
 NEEDS = {"auth_all": {"auth_token": "tok"}, "prewarm": {"redis_url": "redis://r/0"},
          "forward": {"redis_url": "redis://r/0", "chunk_key": "a-fleet-secret-16+"}}  # what validation asks

@@ -1,0 +1,102 @@
+"""A save waits while other slots compute: llama-server alone would run them with nothing beside,
+and a save stops every slot while llama-server writes the slot, then takes CPU from them while
+kvtier cuts and stores it. It goes once no other slot computes, when a request wants its slot, or
+when a drain begins (``aftercare.held_beside``, ``--save-defer``).
+
+Real llama-server (SmolLM2, two slots), a real Valkey.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.servers import RedisProc
+from tests.sidecars import Answer, Sidecar, post
+from tests.test_aborted_answers import node
+
+pytestmark = pytest.mark.llama
+
+SHORT = {"prompt": "Shelf 7 holds blue jars of honey and red jars of jam.\nQuestion: What does shelf 7 hold?\nAnswer:",
+         "n_predict": 4, "temperature": 0}
+
+
+def long_request() -> dict[str, Any]:
+    """Another user's request for the other slot: ~1,500 tokens no tier holds (its first token tells
+    it apart from every earlier test's, on the shared Valkey) and 64 to answer, several seconds here."""
+    days = " ".join(f"Day {i}: {i * 13} coins paid to mill {i % 7} for grain." for i in range(80))
+    return {"prompt": f"Ledger {uuid.uuid4().hex}. {days}", "n_predict": 64, "ignore_eos": True, "temperature": 0}
+
+
+async def answered_beside_another(url: str) -> tuple[Answer, asyncio.Task[Answer]]:
+    """``SHORT`` answered while nothing else computes, then at once ``long_request()`` on the other slot."""
+    first = await post(url + "/completion", SHORT)
+    assert first.status == 200, first.text
+    other = asyncio.ensure_future(post(url + "/completion", long_request()))
+    await asyncio.sleep(1.0)  # the first answer's pause (30 ms) and a save of its ~1 MB are long past
+    assert not other.done(), "the other request ended too soon to tell"
+    return first, other
+
+
+async def saves_while(a: Sidecar, other: asyncio.Task[Answer]) -> float:
+    """The saves made while ``other`` ran (looked at every 20 ms until it ended)."""
+    made = a.metric("kvtier_save_seconds_count")
+    while not other.done():
+        made = a.metric("kvtier_save_seconds_count")
+        await asyncio.sleep(0.02)
+    return made
+
+
+async def test_a_save_waits_while_another_slot_computes_and_goes_once_none_does(
+        redis_srv: RedisProc, tmp_path: Path) -> None:
+    async with node(tmp_path, redis_srv.url, "a") as (_, a):
+        _, other = await answered_beside_another(a.url)
+        assert a.metric("kvtier_pending_saves") == 1
+        # Held back for the whole of the other request: its prompt, then its answer (llama-server's
+        # queue alone would hold the save only until the end of the prompt's batch).
+        assert await saves_while(a, other) == 0
+        assert (await other).status == 200
+        assert await a.engine.drain(30)
+        assert a.metric("kvtier_save_seconds_count") == 2  # the held one, then the other's
+        assert a.metric("kvtier_save_deferred_seconds_count") == 1
+        assert a.metric("kvtier_save_deferred_seconds_sum") >= 0.9  # it waited for the other request
+        assert a.metric("kvtier_saves_skipped_total") == 0
+
+
+async def test_a_request_that_wants_the_slot_ends_the_wait(redis_srv: RedisProc, tmp_path: Path) -> None:
+    async with node(tmp_path, redis_srv.url, "a") as (_, a):
+        first, other = await answered_beside_another(a.url)
+        # The same prompt again: it waits for that slot (its save held back), which serves it as
+        # llama-server alone would, and the save is skipped (the repeat's own save stores it all).
+        again = await post(a.url + "/completion", SHORT)
+        assert again.status == 200
+        assert not other.done()  # served while the other request still computed
+        assert again.headers["X-KVTier-Slot"] == first.headers["X-KVTier-Slot"]
+        assert again.body["timings"]["prompt_n"] <= 1
+        assert a.metric("kvtier_saves_skipped_total") == 1
+        assert (await other).status == 200
+        assert await a.engine.drain(30)
+
+
+async def test_a_drain_ends_the_wait(redis_srv: RedisProc, tmp_path: Path) -> None:
+    async with node(tmp_path, redis_srv.url, "a") as (_, a):
+        _, other = await answered_beside_another(a.url)
+        t0 = time.perf_counter()
+        assert await a.engine.drain(30)  # a shutdown: the held save goes now
+        assert a.metric("kvtier_save_seconds_count") == 1
+        assert not other.done(), f"the drain waited for the other request ({time.perf_counter() - t0:.1f} s)"
+        assert (await other).status == 200
+
+
+async def test_no_wait_with_save_defer_0(redis_srv: RedisProc, tmp_path: Path) -> None:
+    async with node(tmp_path, redis_srv.url, "a") as (_, a):
+        a.engine.aftercare.defer_s = 0.0  # --save-defer 0
+        _, other = await answered_beside_another(a.url)
+        assert await saves_while(a, other) == 1  # saved beside the other request
+        assert a.metric("kvtier_save_deferred_seconds_count") == 0
+        assert (await other).status == 200
