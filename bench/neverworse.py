@@ -268,7 +268,7 @@ async def sidecar_figures(s: aiohttp.ClientSession, url: str) -> dict[str, float
     return {name: metric(m, name) for name in (
         "kvtier_overhead_seconds_count", "kvtier_overhead_seconds_sum", "kvtier_server_checks_seconds_count",
         "kvtier_server_checks_seconds_sum", "kvtier_saves_skipped_total", "kvtier_saves_skipped_ends_total",
-        "kvtier_follow_ups_total")}
+        "kvtier_follow_ups_total", "kvtier_save_deferred_seconds_count", "kvtier_save_deferred_seconds_sum")}
 
 
 def summarize(results: dict[str, dict[str, Any]]) -> list[list[Any]]:
