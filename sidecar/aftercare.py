@@ -143,7 +143,7 @@ class Aftercare:
     Args:
         session_slots: the engine's map of session id to the slot that served it last; a
             session saved after its answer is recorded there.
-        defer_s: longest a save waits while other slots compute (``_beside``; 0: never).
+        defer_s: longest a save waits while other slots compute (``held_beside``; 0: never).
     """
 
     def __init__(self, watcher: ServerWatcher, planner: RestorePlanner, saver: Saver, store: TieredStore,
@@ -218,7 +218,8 @@ class Aftercare:
 
         # Other nodes learn first that this save is coming: a next turn of this conversation that
         # reaches one of them may wait for it rather than recompute (saver.marks). The slot is
-        # free again once its state is read; the markers stay until Redis holds what was stored.
+        # free again once its state is read; the markers stay until Redis holds what was stored (a save
+        # held back beside other slots lifts them as it begins to wait: ``held_beside``).
         stored = False
         async with self.saver.marks.held(plan.namespace, plan.tokens if ok or cut else NO_TOKENS) as lift:
             try:
