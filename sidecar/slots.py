@@ -300,11 +300,10 @@ class SlotTable(SlotRecords):
         """Slots running a request (a slot whose answer is being saved is not computing)."""
         return sum(1 for s in self.slots if s.busy and not s.saving)
 
-    async def until_alone(self, slot: int, timeout: float, *, stop: Callable[[], bool] = lambda: False) -> bool:
+    async def until_alone(self, slot: int, timeout: float, *, stop: Callable[[], bool] = lambda: False) -> None:
         """Wait up to ``timeout`` seconds while other slots compute (``computing``), for ``slot``'s
-        save: until none does, ``slot`` is ``wanted``, or ``stop()``; whether it was wanted."""
+        save: until none does, ``slot`` is ``wanted``, or ``stop()``."""
         await self._until(slot, lambda: not self.computing or self.wanted(slot) or stop(), timeout)
-        return self.wanted(slot)
 
     def _choose(self, tokens: np.ndarray, want: int | None, owner: str) -> Lease | int | None:
         """The lease for the best idle slot (``_worth``); or the id of a slot whose save is running
