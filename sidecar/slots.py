@@ -305,6 +305,11 @@ class SlotTable(SlotRecords):
         save: until none does, ``slot`` is ``wanted``, or ``stop()``."""
         await self._until(slot, lambda: not self.computing or self.wanted(slot) or stop(), timeout)
 
+    async def until_busy(self, slot: int, timeout: float, *, stop: Callable[[], bool] = lambda: False) -> bool:
+        """Wait up to ``timeout`` seconds for a slot to start computing, ``slot`` to be ``wanted``, or
+        ``stop()``; whether one of them came (``held_beside``: the quiet moment before a held save)."""
+        return await self._until(slot, lambda: bool(self.computing) or self.wanted(slot) or stop(), timeout)
+
     def _choose(self, tokens: np.ndarray, want: int | None, owner: str) -> Lease | int | None:
         """The lease for the best idle slot (``_worth``); or the id of a slot whose save is running
         and which holds more of ``tokens`` than any idle one (worth the few milliseconds its save
@@ -407,6 +412,7 @@ class SlotTable(SlotRecords):
         slot.busy = True
         slot.last_used = self._clock()
         slot.leases += 1
+        self.nudge()  # one slot more computing: a save waiting for a quiet moment checks
 
     def _release(self, slot: int) -> None:
         self.slots[slot].busy = False

@@ -33,11 +33,12 @@ def long_request() -> dict[str, Any]:
     return {"prompt": f"Ledger {uuid.uuid4().hex}. {days}", "n_predict": 64, "ignore_eos": True, "temperature": 0}
 
 
-async def answered_beside_another(url: str) -> tuple[Answer, asyncio.Task[Answer]]:
-    """``SHORT`` answered while nothing else computes, then at once ``long_request()`` on the other slot."""
+async def answered_beside_another(url: str, long: dict[str, Any] | None = None) -> tuple[Answer, asyncio.Task[Answer]]:
+    """``SHORT`` answered while nothing else computes, then at once ``long`` (default: a new
+    ``long_request()``) on the other slot."""
     first = await post(url + "/completion", SHORT)
     assert first.status == 200, first.text
-    other = asyncio.ensure_future(post(url + "/completion", long_request()))
+    other = asyncio.ensure_future(post(url + "/completion", long or long_request()))
     await asyncio.sleep(1.0)  # the first answer's pause (30 ms) and a save of its ~1 MB are long past
     assert not other.done(), "the other request ended too soon to tell"
     return first, other
@@ -66,6 +67,22 @@ async def test_a_save_waits_while_another_slot_computes_and_goes_once_none_does(
         assert a.metric("kvtier_save_deferred_seconds_count") == 1
         assert a.metric("kvtier_save_deferred_seconds_sum") >= 0.9  # it waited for the other request
         assert a.metric("kvtier_saves_skipped_total") == 0
+
+
+async def test_a_held_save_waits_for_a_quiet_moment_after_the_other_slot_answers(
+        redis_srv: RedisProc, tmp_path: Path) -> None:
+    async with node(tmp_path, redis_srv.url, "a") as (_, a):
+        long = long_request()
+        _, other = await answered_beside_another(a.url, long)
+        assert (await other).status == 200
+        # The other slot's client asks again at once (a retry, its next turn): the held save does not
+        # go into that request (saved as it began, it would be made while the slot answers its 64 tokens).
+        again = asyncio.ensure_future(post(a.url + "/completion", long))
+        assert await saves_while(a, again) == 0
+        assert (await again).body["timings"]["prompt_n"] <= 1  # served from its slot
+        assert await a.engine.drain(30)
+        assert a.metric("kvtier_save_seconds_count") == 2  # the held one, then the repeat's
+        assert a.metric("kvtier_saves_skipped_total") == 1  # the other's first answer: its repeat came
 
 
 async def test_a_request_that_wants_the_slot_ends_the_wait(redis_srv: RedisProc, tmp_path: Path) -> None:
