@@ -123,13 +123,15 @@ async def held_beside(table: SlotTable, slot: int, limit: float, draining: Calla
     seconds it waited, None when none computed (or ``limit`` is 0). llama-server alone would run
     them with nothing beside. It goes once none computes, when a request wants its slot (a next
     turn that then skips it, or one that every slot busy leaves waiting), or when a drain begins.
+    It waits for another save's write too (``SlotTable.beside``): saves that come due together are
+    written one at a time, so a request that comes meanwhile waits for one write, not for all.
 
     Called after the pause (``Aftercare._paused``: the next request of a busy client comes within
     it) and the skip checks, which are made again after it. Its pending-save marks are lifted first
     (``lift``): another node's next turn meanwhile does not wait for a save that may be seconds
     away, and restores what the tiers hold. A session's save, and a cut answer's (which a re-prompt
     on another node restores), are not held back."""
-    if limit <= 0 or not table.computing or table.wanted(slot) or draining():
+    if limit <= 0 or not table.beside(slot) or table.wanted(slot) or draining():
         return None
     t0 = time.perf_counter()
     deadline = t0 + limit
@@ -325,8 +327,8 @@ class Aftercare:
             self.session_slots[plan.session_id] = lease.slot
             self.prompts.check(plan.prompt, manifest.tokens)
             return True
-        save = asyncio.ensure_future(self.saver.save_slot(table, lease.slot, plan.namespace, owner=plan.salt,
-                                                          read=read, grant=table.slots[lease.slot].leases))
+        save = self.saver.start_save(table, lease.slot, plan.namespace, owner=plan.salt, read=read,
+                                     grant=table.slots[lease.slot].leases)
         try:
             await self._hand_over_when_wanted(plan, save)
             state = await save

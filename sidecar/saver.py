@@ -90,6 +90,16 @@ class Saver:
         self.metrics.prompt_end_saves.labels("stored").inc()
         return True
 
+    def start_save(self, table: SlotTable, slot: int, namespace: Namespace, *, owner: str = "",
+                   read: Callable[[], None] | None = None, grant: int | None = None) -> asyncio.Task[SeqState]:
+        """``save_slot`` as a task, its write known to the table from now on (``SlotTable.begin_write``),
+        not from the task's first step: another save that comes due meanwhile waits for it."""
+        table.begin_write(slot)
+        task = asyncio.get_running_loop().create_task(
+            self.save_slot(table, slot, namespace, owner=owner, read=read, grant=grant))
+        task.add_done_callback(lambda _: table.end_write(slot))  # also when cancelled before its first step
+        return task
+
     async def save_slot(self, table: SlotTable, slot: int, namespace: Namespace, *, owner: str = "",
                         read: Callable[[], None] | None = None, grant: int | None = None) -> SeqState:
         """Save ``slot``, store its new chunks and its partial tail, and record what it holds.
@@ -100,7 +110,7 @@ class Saver:
         ``grant``: as in ``SlotTable.record_saved`` (a slot handed over meanwhile records nothing).
         """
         t0 = time.perf_counter()
-        state = await self.files.save(slot, "save", table.held_about(slot), namespace)
+        state = await self._write(table, slot, "save", namespace)
         saved = table.record_saved(slot, state.tokens.tokens.copy(), owner, grant)
         if read is not None:
             read()
@@ -114,6 +124,15 @@ class Saver:
                             state.store_reason)
         self.metrics.save_seconds.observe(time.perf_counter() - t0)
         return state
+
+    async def _write(self, table: SlotTable, slot: int, kind: str, namespace: Namespace) -> SeqState:
+        """llama-server writes ``slot``'s state and kvtier reads it; the table knows it meanwhile
+        (``SlotTable.begin_write``: saves held back beside other slots wait for it)."""
+        table.begin_write(slot)
+        try:
+            return await self.files.save(slot, kind, table.held_about(slot), namespace)
+        finally:
+            table.end_write(slot)
 
     async def _store(self, table: SlotTable, slot: int, namespace: Namespace, state: SeqState,
                      saved: SavedSlot) -> None:
@@ -135,7 +154,7 @@ class Saver:
         """Save ``slot`` as session ``session_id``: its chunks, its partial tail, its manifest
         (``read`` as in ``save_slot``)."""
         t0 = time.perf_counter()
-        state = await self.files.save(slot, "session", table.held_about(slot), namespace)
+        state = await self._write(table, slot, "session", namespace)
         table.set_tokens(slot, state.tokens.tokens.copy(), owner=owner, stored=True)
         if read is not None:
             read()

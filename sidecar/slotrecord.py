@@ -28,6 +28,7 @@ class Slot:
     tail: TailRecord | None = None  # the partial tail it stored or restored last
     resynced: int | None = None  # llama-server's token count when kvtier last read the slot again
     saving: bool = False  # busy with the save after an answer (the request itself is done)
+    writing: bool = False  # llama-server writes its state to a file (a save): its other slots wait meanwhile
     # While saving: the prompt that answer ran on and its tenant (the slot holds at least that;
     # ``tokens`` and ``owner`` say so once the save has read the slot).
     answered: tuple[np.ndarray, str] | None = None

@@ -114,6 +114,14 @@ class SlotRecords:
         record.answered_at = self._clock()
         self.nudge()  # one slot fewer computing: a save waiting beside it checks
 
+    def begin_write(self, slot: int) -> None:
+        """A save has llama-server write ``slot``'s state (until ``end_write``: read, or failed)."""
+        self.slots[slot].writing = True
+
+    def end_write(self, slot: int) -> None:
+        self.slots[slot].writing = False
+        self.nudge()  # a save held back beside this write checks
+
     def since_answer(self, slot: int) -> float | None:
         """Seconds since ``slot``'s last answer ended; None before its first."""
         at = self.slots[slot].answered_at
@@ -300,15 +308,20 @@ class SlotTable(SlotRecords):
         """Slots running a request (a slot whose answer is being saved is not computing)."""
         return sum(1 for s in self.slots if s.busy and not s.saving)
 
+    def beside(self, slot: int) -> int:
+        """Other slots that ``slot``'s save would stall: computing, or written by another save (one
+        write at a time: a request that comes meanwhile waits for one in llama-server's queue)."""
+        return sum(1 for s in self.slots if s.id != slot and (s.writing or (s.busy and not s.saving)))
+
     async def until_alone(self, slot: int, timeout: float, *, stop: Callable[[], bool] = lambda: False) -> None:
-        """Wait up to ``timeout`` seconds while other slots compute (``computing``), for ``slot``'s
-        save: until none does, ``slot`` is ``wanted``, or ``stop()``."""
-        await self._until(slot, lambda: not self.computing or self.wanted(slot) or stop(), timeout)
+        """Wait up to ``timeout`` seconds while other slots compute or are written (``beside``), for
+        ``slot``'s save: until none is, ``slot`` is ``wanted``, or ``stop()``."""
+        await self._until(slot, lambda: not self.beside(slot) or self.wanted(slot) or stop(), timeout)
 
     async def until_busy(self, slot: int, timeout: float, *, stop: Callable[[], bool] = lambda: False) -> bool:
-        """Wait up to ``timeout`` seconds for a slot to start computing, ``slot`` to be ``wanted``, or
-        ``stop()``; whether one of them came (``held_beside``: the quiet moment before a held save)."""
-        return await self._until(slot, lambda: bool(self.computing) or self.wanted(slot) or stop(), timeout)
+        """Wait up to ``timeout`` seconds for ``beside`` slots, ``slot`` to be ``wanted``, or ``stop()``;
+        whether one of them came (``held_beside``: the quiet moment before a held save)."""
+        return await self._until(slot, lambda: bool(self.beside(slot)) or self.wanted(slot) or stop(), timeout)
 
     def _choose(self, tokens: np.ndarray, want: int | None, owner: str) -> Lease | int | None:
         """The lease for the best idle slot (``_worth``); or the id of a slot whose save is running

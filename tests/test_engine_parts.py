@@ -410,3 +410,24 @@ async def test_a_slot_kvtier_lost_track_of_is_erased_before_another_tenant_uses_
     same.release()
     table.set_tokens(0, np.zeros(0, np.int32), owner="b")  # known empty (erased, or a restarted server)
     assert not (await table.acquire(np.arange(5, dtype=np.int32), owner="a")).foreign
+
+
+async def test_a_held_save_waits_for_another_slots_write_then_for_a_quiet_moment() -> None:
+    table = SlotTable(3)
+    a, b = await table.acquire(np.arange(10, dtype=np.int32)), await table.acquire(np.arange(100, 110, dtype=np.int32))
+    table.begin_save(a.slot, None)
+    table.begin_save(b.slot, None)  # both answered: neither computes
+    assert table.beside(a.slot) == 0
+    table.begin_write(b.slot)  # b's save goes first
+    assert (table.beside(a.slot), table.beside(b.slot)) == (1, 0)
+    alone = asyncio.create_task(table.until_alone(a.slot, 5))
+    await asyncio.sleep(0.01)
+    assert not alone.done()
+    table.end_write(b.slot)
+    await asyncio.wait_for(alone, 1)
+    quiet = asyncio.create_task(table.until_busy(a.slot, 5))
+    await asyncio.sleep(0.01)
+    assert not quiet.done()
+    await table.acquire(np.arange(200, 210, dtype=np.int32))  # a request starts on the third slot
+    assert await asyncio.wait_for(quiet, 1)
+    assert table.beside(b.slot) == 1  # the third slot computes; a's save neither computes nor writes
