@@ -94,10 +94,22 @@ class Saver:
                    read: Callable[[], None] | None = None, grant: int | None = None) -> asyncio.Task[SeqState]:
         """``save_slot`` as a task, its write known to the table from now on (``SlotTable.begin_write``),
         not from the task's first step: another save that comes due meanwhile waits for it."""
+        began = False
+
+        async def save() -> SeqState:
+            nonlocal began
+            began = True  # from here ``_write`` ends the write, however it ends
+            return await self.save_slot(table, slot, namespace, owner=owner, read=read, grant=grant)
+
+        def ended(_: asyncio.Task[SeqState]) -> None:
+            # Cancelled before its first step: no ``_write`` ran. Never later: by then the slot may be
+            # written by the next request's save (handed over), which this must not end.
+            if not began:
+                table.end_write(slot)
+
         table.begin_write(slot)
-        task = asyncio.get_running_loop().create_task(
-            self.save_slot(table, slot, namespace, owner=owner, read=read, grant=grant))
-        task.add_done_callback(lambda _: table.end_write(slot))  # also when cancelled before its first step
+        task = asyncio.get_running_loop().create_task(save())
+        task.add_done_callback(ended)
         return task
 
     async def save_slot(self, table: SlotTable, slot: int, namespace: Namespace, *, owner: str = "",
