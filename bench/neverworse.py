@@ -24,6 +24,11 @@ llama-server alone (same flags, its host-memory prompt cache ``--cache-ram`` at 
   ``BESIDE_ANSWER`` tokens. TTFT and whole answer time of the new one, which llama-server alone serves
   with nothing beside it; through kvtier the first turn's save (llama-server's write of its slot, which
   stops every slot, then kvtier's work on it) may run beside it.
+- ``due_together``: two conversations' first turns at once, each on a ~``--prefix``/2 token text (one
+  batch holds both prompts, so their answers end together), then ``DUE_AFTER_S`` later, on a third
+  slot, a new ~``BESIDE_TOKENS``-token conversation answered in ``BESIDE_ANSWER`` tokens. Its TTFT and
+  whole answer time: through kvtier both first turns' saves are due as it comes, and llama-server's
+  queue runs every write sent before it first.
 - ``agent_subagents``: three agents at once, each growing a main thread in four steps, then running
   two sub-agent windows of their own, then a short finalize on the main thread, with at most four
   requests in flight (``--agent-rounds`` such rounds, one after the other). Finalize TTFT over the
@@ -69,10 +74,11 @@ from .common import (
 )
 
 SCENARIOS = ("repeat_at_once", "abort_reprompt", "sibling_at_once", "other_at_once", "beside_save",
-             "agent_subagents")
+             "due_together", "agent_subagents")
 OTHER_TOKENS = 64  # other_at_once: the new conversation's prompt (a short one shows the wait)
 BESIDE_TOKENS = 512  # beside_save: the new conversation's prompt, and its answer
 BESIDE_ANSWER = 32
+DUE_AFTER_S = 0.1  # due_together: after the two answers (their saves' 30 ms pause is over)
 # llama-server alone and kvtier on identical flags (llama-server's prompt cache at its default); and
 # kvtier with that cache off (the README's flags where tenants share a server).
 MODES = ("alone", "kvtier", "kvtier-cache-ram-0")
@@ -160,6 +166,20 @@ async def beside_save(s: aiohttp.ClientSession, url: str, prefix: int, reps: int
                      "other_total_ms": other.total_ms, "other_computed": other.recomputed_tokens,
                      "first_prompt_tokens": first.prompt_tokens})
         await asyncio.sleep(6.0)  # the first turn's save ends (kvtier: after the other answer) before the next rep
+    return rows
+
+
+async def due_together(s: aiohttp.ClientSession, url: str, prefix: int, reps: int) -> list[dict[str, Any]]:
+    rows = []
+    for r in range(reps):
+        docs = [f"Answer from these records. {document(prefix // 2, 210 + 2 * r + i)}\nQuestion: "
+                f"{QUESTIONS[(r + i) % len(QUESTIONS)]}\nAnswer:" for i in (0, 1)]
+        firsts = await asyncio.gather(*(complete(s, url, doc, 8) for doc in docs))
+        await asyncio.sleep(DUE_AFTER_S)
+        other = await complete(s, url, f"Note {r}. {document(BESIDE_TOKENS, 1010 + r)}\nSummary:", BESIDE_ANSWER)
+        rows.append({"rep": r, "first_ttft_ms": [f.ttft_ms for f in firsts], "other_ttft_ms": other.ttft_ms,
+                     "other_total_ms": other.total_ms, "other_computed": other.recomputed_tokens})
+        await asyncio.sleep(6.0)  # the first turns' saves end before the next rep
     return rows
 
 
@@ -254,6 +274,8 @@ async def run_mode(a: argparse.Namespace, mode: str, redis_url: str) -> dict[str
                     single_figures = [await sidecar_figures(s, single.nodes[0].sidecar_url)] if sidecar else []
             if "beside_save" in a.scenarios:
                 out["beside_save"] = await beside_save(s, urls[0], a.prefix, a.reps)
+            if "due_together" in a.scenarios:
+                out["due_together"] = await due_together(s, urls[0], a.prefix, a.reps)
             if "agent_subagents" in a.scenarios:
                 out["agent_subagents"] = await agent_subagents(s, urls[1], a.main_tokens, a.sub_tokens, a.agent_rounds)
             if sidecar:  # what each sidecar did before forwarding: its own time, and identity checks waited for
@@ -297,9 +319,10 @@ def summarize(results: dict[str, dict[str, Any]]) -> list[list[Any]]:
                 rows.append([load, name, mode, "second turn's return TTFT ms (p50)",
                              percentile([x["return_ttft_ms"] for x in data], 50),
                              percentile([x["return_computed"] for x in data], 50)])
-            elif name == "beside_save":
+            elif name in ("beside_save", "due_together"):
                 computed = percentile([x["other_computed"] for x in data], 50)
-                rows.append([load, name, mode, "new conversation beside a save: TTFT ms (p50)",
+                beside = "a save" if name == "beside_save" else "two saves due"
+                rows.append([load, name, mode, f"new conversation beside {beside}: TTFT ms (p50)",
                              percentile([x["other_ttft_ms"] for x in data], 50), computed])
                 rows.append([load, name, mode, f"the same: whole {BESIDE_ANSWER}-token answer ms (p50)",
                              percentile([x["other_total_ms"] for x in data], 50), computed])
@@ -331,7 +354,9 @@ def md_neverworse(data: dict[str, Any], md_table: Any) -> str:
             f"token text, then at once another on the same text; `other_at_once` (one node of one slot): a "
             f"conversation's second turn, then at once a ~{OTHER_TOKENS}-token new conversation, then the second "
             f"turn again; `beside_save`: a ~{st['prefix']}-token first turn, then at once a ~{BESIDE_TOKENS}-token new "
-            f"conversation on another slot, answered in {BESIDE_ANSWER} tokens; `agent_subagents`: "
+            f"conversation on another slot, answered in {BESIDE_ANSWER} tokens; `due_together`: two ~{st['prefix'] // 2}-"
+            f"token first turns at once, then {DUE_AFTER_S:g} s after their answers the same new conversation on a third "
+            f"slot; `agent_subagents`: "
             f"{st.get('agent_rounds', 1)} round(s) of three agents, each a "
             f"~{st['main_tokens']}-token main thread in four steps, two ~{st['sub_tokens']}-token sub-agent windows, "
             f"then a short finalize on the main thread, at most four requests at once. Medians; "
@@ -376,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
     print_table("Never worse than llama-server alone (same flags, default --cache-ram)",
                 ["load", "scenario", "mode", "figure", "value", "tokens computed (p50)"], rows)
     console.print("tokens computed: of the repeat; of the prefix (abort_reprompt); of the sibling; of the other "
-                  "conversation and of the return (other_at_once); of the new conversation (beside_save); of the finalize")
+                  "conversation and of the return (other_at_once); of the new conversation (beside_save, due_together); "
+                  "of the finalize")
     write_json(a.json, {"benchmark": "neverworse", "settings": {k: v for k, v in vars(a).items() if k != "json"},
                         "minutes": round((time.time() - started) / 60, 1), "results": results,
                         "table": [dict(zip(["load", "scenario", "mode", "figure", "value", "computed"], r, strict=True))

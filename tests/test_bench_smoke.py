@@ -198,6 +198,8 @@ def test_neverworse_rows_and_their_section() -> None:
                                "return_computed": 40}],
             "beside_save": [{"other_ttft_ms": t, "other_total_ms": t + 700, "other_computed": 476}
                             for t in (1500.0, 1600.0, 1400.0)],
+            "due_together": [{"other_ttft_ms": t, "other_total_ms": t + 500, "other_computed": 470}
+                             for t in (800.0, 900.0)],
             "agent_subagents": [{"finalize_ratio": 0.1, "finalize_ttft_ms": 900.0, "finalize_computed": 20}]}
     sidecars = [{"kvtier_server_checks_seconds_count": n, "kvtier_server_checks_seconds_sum": n * 0.5}
                 for n in (1.0, 2.0)]
@@ -210,6 +212,8 @@ def test_neverworse_rows_and_their_section() -> None:
     assert ["quiet", "other_at_once", "alone", "second turn's return TTFT ms (p50)", 700.0, 40] in rows
     assert ["quiet", "beside_save", "alone", "new conversation beside a save: TTFT ms (p50)", 1500.0, 476] in rows
     assert ["quiet", "beside_save", "alone", "the same: whole 32-token answer ms (p50)", 2200.0, 476] in rows
+    assert ["quiet", "due_together", "alone", "new conversation beside two saves due: TTFT ms (p50)", 850.0,
+            470] in rows
     settings = {"slots": 4, "ctx": 16384, "threads": 2, "reps": 2, "prefix": 1500, "abort_after": 64,
                 "main_tokens": 2000, "sub_tokens": 1500}
     table = [dict(zip(["load", "scenario", "mode", "figure", "value", "computed"], r, strict=True)) for r in rows]
