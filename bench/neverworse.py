@@ -24,11 +24,11 @@ llama-server alone (same flags, its host-memory prompt cache ``--cache-ram`` at 
   ``BESIDE_ANSWER`` tokens. TTFT and whole answer time of the new one, which llama-server alone serves
   with nothing beside it; through kvtier the first turn's save (llama-server's write of its slot, which
   stops every slot, then kvtier's work on it) may run beside it.
-- ``due_together``: two conversations' first turns at once, each on a ~``--prefix``/2 token text (one
-  batch holds both prompts, so their answers end together), then ``DUE_AFTER_S`` later, on a third
-  slot, a new ~``BESIDE_TOKENS``-token conversation answered in ``BESIDE_ANSWER`` tokens. Its TTFT and
-  whole answer time: through kvtier both first turns' saves are due as it comes, and llama-server's
-  queue runs every write sent before it first.
+- ``due_together``: a first turn on a ~``--prefix``/2 token text, then at once another conversation's
+  on another slot (through kvtier the first one's save waits beside it), then ``DUE_AFTER_S`` after
+  that answer, on a third slot, a new ~``BESIDE_TOKENS``-token conversation answered in
+  ``BESIDE_ANSWER`` tokens. Its TTFT and whole answer time: both first turns' saves are due as it
+  comes, and llama-server's queue runs every write sent before it first.
 - ``agent_subagents``: three agents at once, each growing a main thread in four steps, then running
   two sub-agent windows of their own, then a short finalize on the main thread, with at most four
   requests in flight (``--agent-rounds`` such rounds, one after the other). Finalize TTFT over the
@@ -78,7 +78,7 @@ SCENARIOS = ("repeat_at_once", "abort_reprompt", "sibling_at_once", "other_at_on
 OTHER_TOKENS = 64  # other_at_once: the new conversation's prompt (a short one shows the wait)
 BESIDE_TOKENS = 512  # beside_save: the new conversation's prompt, and its answer
 BESIDE_ANSWER = 32
-DUE_AFTER_S = 0.1  # due_together: after the two answers (their saves' 30 ms pause is over)
+DUE_AFTER_S = 0.1  # due_together: after the second answer (past a save's shortest pause, 30 ms)
 # llama-server alone and kvtier on identical flags (llama-server's prompt cache at its default); and
 # kvtier with that cache off (the README's flags where tenants share a server).
 MODES = ("alone", "kvtier", "kvtier-cache-ram-0")
@@ -174,7 +174,7 @@ async def due_together(s: aiohttp.ClientSession, url: str, prefix: int, reps: in
     for r in range(reps):
         docs = [f"Answer from these records. {document(prefix // 2, 210 + 2 * r + i)}\nQuestion: "
                 f"{QUESTIONS[(r + i) % len(QUESTIONS)]}\nAnswer:" for i in (0, 1)]
-        firsts = await asyncio.gather(*(complete(s, url, doc, 8) for doc in docs))
+        firsts = [await complete(s, url, doc, 8) for doc in docs]  # the second the moment the first ended
         await asyncio.sleep(DUE_AFTER_S)
         other = await complete(s, url, f"Note {r}. {document(BESIDE_TOKENS, 1010 + r)}\nSummary:", BESIDE_ANSWER)
         rows.append({"rep": r, "first_ttft_ms": [f.ttft_ms for f in firsts], "other_ttft_ms": other.ttft_ms,
@@ -354,9 +354,9 @@ def md_neverworse(data: dict[str, Any], md_table: Any) -> str:
             f"token text, then at once another on the same text; `other_at_once` (one node of one slot): a "
             f"conversation's second turn, then at once a ~{OTHER_TOKENS}-token new conversation, then the second "
             f"turn again; `beside_save`: a ~{st['prefix']}-token first turn, then at once a ~{BESIDE_TOKENS}-token new "
-            f"conversation on another slot, answered in {BESIDE_ANSWER} tokens; `due_together`: two ~{st['prefix'] // 2}-"
-            f"token first turns at once, then {DUE_AFTER_S:g} s after their answers the same new conversation on a third "
-            f"slot; `agent_subagents`: "
+            f"conversation on another slot, answered in {BESIDE_ANSWER} tokens; `due_together`: a ~{st['prefix'] // 2}-"
+            f"token first turn, at once another on another slot, then {DUE_AFTER_S:g} s after its answer the same new "
+            f"conversation on a third slot; `agent_subagents`: "
             f"{st.get('agent_rounds', 1)} round(s) of three agents, each a "
             f"~{st['main_tokens']}-token main thread in four steps, two ~{st['sub_tokens']}-token sub-agent windows, "
             f"then a short finalize on the main thread, at most four requests at once. Medians; "

@@ -118,7 +118,7 @@ def end_cheaper(plan: RequestPlan, timings: Callable[[], Timings | None], saver:
 
 
 async def held_beside(table: SlotTable, slot: int, limit: float, draining: Callable[[], bool],
-                      lift: Lift) -> float | None:
+                      lift: Lift, quiet: float = SAVE_DELAY_S) -> float | None:
     """Hold the save of ``slot`` back while other slots compute, ``limit`` seconds at most; the
     seconds it waited, None when none computed (or ``limit`` is 0). llama-server alone would run
     them with nothing beside. It goes once none computes, when a request wants its slot (a next
@@ -130,7 +130,8 @@ async def held_beside(table: SlotTable, slot: int, limit: float, draining: Calla
     it) and the skip checks, which are made again after it. Its pending-save marks are lifted first
     (``lift``): another node's next turn meanwhile does not wait for a save that may be seconds
     away, and restores what the tiers hold. A session's save, and a cut answer's (which a re-prompt
-    on another node restores), are not held back."""
+    on another node restores), are not held back. ``quiet``: the quiet moment it goes after, the
+    save's own pause (``save_pause``: longer before a longer write)."""
     if limit <= 0 or not table.beside(slot) or table.wanted(slot) or draining():
         return None
     t0 = time.perf_counter()
@@ -145,7 +146,8 @@ async def held_beside(table: SlotTable, slot: int, limit: float, draining: Calla
         # client's next turn, a retry, an agent's next step): the save goes after a quiet moment, not
         # into that request. 12 repeats of a prompt one after another (SmolLM2, quiet) took 29 ms
         # alone and 72 ms through kvtier when the save held back during the prompt went as it ended.
-        if not await _came(lambda s: table.until_busy(slot, s, stop=draining), min(SAVE_DELAY_S, left)):
+        # As long as the pause after an answer: a request that comes within it is spared the write.
+        if not await _came(lambda s: table.until_busy(slot, s, stop=draining), min(quiet, left)):
             break
     return time.perf_counter() - t0
 
@@ -305,7 +307,7 @@ class Aftercare:
             await self._server_changed(plan)  # counted when a restart broke the answer off
             return False
         if not cut and plan.session_id is None and (waited := await held_beside(
-                table, lease.slot, self.defer_s, lambda: self._draining > 0, lift)) is not None:
+                table, lease.slot, self.defer_s, lambda: self._draining > 0, lift, self._pause(plan, ok))) is not None:
             self.metrics.save_deferred_seconds.observe(waited)
         if await self._server_changed(plan):
             table.forget(lease.slot)

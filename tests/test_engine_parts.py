@@ -20,6 +20,7 @@ from integrations.chunkassemble import assemble_state
 from integrations.llama_server import Timings
 from integrations.memkind import LookupShape, MemoryKind
 from integrations.stateparse import parse_state
+from sidecar.aftercare import held_beside
 from sidecar.config import Settings
 from sidecar.costmodel import CostModel
 from sidecar.engine import KVEngine
@@ -431,3 +432,27 @@ async def test_a_held_save_waits_for_another_slots_write_then_for_a_quiet_moment
     await table.acquire(np.arange(200, 210, dtype=np.int32))  # a request starts on the third slot
     assert await asyncio.wait_for(quiet, 1)
     assert table.beside(b.slot) == 1  # the third slot computes; a's save neither computes nor writes
+
+
+@pytest.mark.parametrize("quiet", [0.03, 0.3])
+async def test_a_held_save_goes_after_a_quiet_moment_as_long_as_its_pause(quiet: float) -> None:
+    table = SlotTable(2)
+    mine, other = await table.acquire(np.arange(10, dtype=np.int32)), await table.acquire(np.arange(50, 60, dtype=np.int32))
+    table.begin_save(mine.slot, None)  # answered; the other slot still computes
+
+    async def nothing_to_lift() -> None:
+        pass
+
+    held = asyncio.create_task(held_beside(table, mine.slot, 5.0, lambda: False, nothing_to_lift, quiet))
+    await asyncio.sleep(0.05)
+    other.release()  # the other request ends...
+    await asyncio.sleep(0.1)
+    assert held.done() == (quiet < 0.1)  # a 30 ms quiet moment is over by now: that save went
+    if held.done():
+        return
+    again = await table.acquire(np.arange(50, 60, dtype=np.int32))  # ...and its client asks again 0.1 s later
+    await asyncio.sleep(0.1)
+    assert not held.done()
+    again.release()
+    waited = await asyncio.wait_for(held, 2)
+    assert quiet > 0.1 and waited >= 0.25 + quiet
