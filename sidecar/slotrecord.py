@@ -46,6 +46,11 @@ class Slot:
     answered_at: float = 0.0  # when its last answer ended (the table's clock)
     stored: int = 0  # how many of ``tokens`` the tiers were given (a save stored, a restore read them)
 
+    @property
+    def computing(self) -> bool:
+        """Running a request (a slot whose answer is being saved is not computing)."""
+        return self.busy and not self.saving
+
     def hot(self) -> tuple[np.ndarray, str]:
         """What the slot holds at least, and for which tenant: while its save runs, the prompt
         it just answered (known before the save reads the slot), else ``tokens``. While it

@@ -305,17 +305,16 @@ class SlotTable(SlotRecords):
 
     @property
     def computing(self) -> int:
-        """Slots running a request (a slot whose answer is being saved is not computing)."""
-        return sum(1 for s in self.slots if s.busy and not s.saving)
+        """Slots running a request (``Slot.computing``)."""
+        return sum(1 for s in self.slots if s.computing)
 
     def beside(self, slot: int) -> int:
-        """Other slots that ``slot``'s save would stall: computing, or written by another save (one
-        write at a time: a request that comes meanwhile waits for one in llama-server's queue)."""
-        return sum(1 for s in self.slots if s.id != slot and (s.writing or (s.busy and not s.saving)))
+        """Other slots that ``slot``'s save would stall: computing, or written by another save (one write
+        at a time: a request that comes meanwhile waits for one write in llama-server's queue)."""
+        return sum(1 for s in self.slots if s.id != slot and (s.writing or s.computing))
 
     async def until_alone(self, slot: int, timeout: float, *, stop: Callable[[], bool] = lambda: False) -> None:
-        """Wait up to ``timeout`` seconds while other slots compute or are written (``beside``), for
-        ``slot``'s save: until none is, ``slot`` is ``wanted``, or ``stop()``."""
+        """Wait up to ``timeout`` s until none is ``beside`` ``slot``, it is ``wanted``, or ``stop()``."""
         await self._until(slot, lambda: not self.beside(slot) or self.wanted(slot) or stop(), timeout)
 
     async def until_busy(self, slot: int, timeout: float, *, stop: Callable[[], bool] = lambda: False) -> bool:
