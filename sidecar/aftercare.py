@@ -289,7 +289,8 @@ class Aftercare:
         lease = plan.lease
         table = lease.table
         timings = functools.cache(lambda: Timings.from_answer(answer) if answer is not None else None)
-        await self._paused(plan, ok)
+        pause = self._pause(plan, ok)  # after the answer, and again once a save held beside others may go
+        await self._paused(plan, pause)
         # A request waiting for the slot takes it, and is sent on, before the answer is read (the
         # yield): reading it is off that request's path.
         if skipped := self._skip(plan, ok, timings, free, known=self.watcher.confirmed):
@@ -307,7 +308,7 @@ class Aftercare:
             await self._server_changed(plan)  # counted when a restart broke the answer off
             return False
         if not cut and plan.session_id is None and (waited := await held_beside(
-                table, lease.slot, self.defer_s, lambda: self._draining > 0, lift, self._pause(plan, ok))) is not None:
+                table, lease.slot, self.defer_s, lambda: self._draining > 0, lift, pause)) is not None:
             self.metrics.save_deferred_seconds.observe(waited)
         if await self._server_changed(plan):
             table.forget(lease.slot)
@@ -340,12 +341,12 @@ class Aftercare:
             self.prompts.check(plan.prompt, state.tokens.tokens)
         return True
 
-    async def _paused(self, plan: RequestPlan, ok: bool) -> None:
+    async def _paused(self, plan: RequestPlan, pause: float) -> None:
         """Let the answer's last bytes reach the client first: on a small host the save
         (llama-server writing the slot file, kvtier splitting it) would compete for the CPU with
-        its delivery. A request that waits for this slot ends the pause (``_pause`` long)."""
+        its delivery. A request that waits for this slot ends the pause (``pause`` long: ``_pause``)."""
         slot, table = plan.lease.slot, plan.lease.table
-        await _came(lambda s: table.until_wanted(slot, s), self._pause(plan, ok))
+        await _came(lambda s: table.until_wanted(slot, s), pause)
 
     def _pause(self, plan: RequestPlan, ok: bool) -> float:
         """``save_pause`` before this save. Only a save that a next turn may skip waits longer
