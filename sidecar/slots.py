@@ -32,14 +32,15 @@ from .slotrecord import SavedSlot, Slot
 LIVE_S = 600.0
 
 
-def _worth(slot: Slot, reused: int, coldest: Slot, now: float) -> int:
-    """What taking idle ``slot`` is worth to a request that reuses ``reused`` of its tokens:
+def _worth(slot: Slot, reused: int, coldest: Slot | None, now: float, held: np.ndarray | None = None) -> int:
+    """What taking ``slot`` is worth to a request that reuses ``reused`` of its tokens:
     those tokens, less the ones it would overwrite when they belong to a live conversation
     (used within ``LIVE_S``) while a colder slot is free. So a request that shares a system
     prompt with another conversation takes the empty or coldest slot rather than that
     conversation's, whose next turn then finds its slot still holding it; one that
-    continues a slot (nothing overwritten) or reuses more than it overwrites takes that slot."""
-    lost = 0 if slot.unknown else int(slot.tokens.size) - reused
+    continues a slot (nothing overwritten) or reuses more than it overwrites takes that slot.
+    ``held``: what the slot holds, when not its ``tokens`` (a slot whose save runs: ``Slot.hot``)."""
+    lost = 0 if slot.unknown and held is None else int((slot.tokens if held is None else held).size) - reused
     live = slot is not coldest and now - slot.last_used < LIVE_S
     return reused - lost if live else reused
 
@@ -323,21 +324,20 @@ class SlotTable(SlotRecords):
         return await self._until(slot, lambda: bool(self.beside(slot)) or self.wanted(slot) or stop(), timeout)
 
     def _choose(self, tokens: np.ndarray, want: int | None, owner: str) -> Lease | int | None:
-        """The lease for the best idle slot (``_worth``); or the id of a slot whose save is running
-        and which holds more of ``tokens`` than any idle one (worth the few milliseconds its save
-        still takes: the next turn of a conversation keeps its own slot); None when nothing is idle."""
+        """The lease for the best idle slot (``_worth``); or the id of a slot whose save is running, worth
+        more than any idle one by the same measure (a next turn keeps its slot; a new conversation sharing a
+        header with it takes a free one, not a wait behind that save's write); None when nothing is idle."""
         idle = [s for s in self.slots if not s.busy and (want is None or s.id == want)]
         held = {s.id: common_prefix(s.tokens, tokens) if s.owner == owner else 0 for s in idle}
-        saving = [(common_prefix(hot, tokens), s.id) for s in self.slots if s.saving and (want is None or s.id == want)
-                  for hot, hot_owner in [s.hot()] if hot_owner == owner]
-        wait_for = max(saving, default=(0, -1))
-        if wait_for[0] > max(held.values(), default=0):
+        now, coldest = self._clock(), min(idle, key=lambda s: s.last_used) if idle else None
+        worth = {s.id: _worth(s, held[s.id], coldest, now) for s in idle}
+        saving = [(_worth(s, common_prefix(hot, tokens), None, now, hot), s.id) for s in self.slots
+                  if s.saving and (want is None or s.id == want) for hot, hot_owner in [s.hot()] if hot_owner == owner]
+        if saving and (wait_for := max(saving))[0] > max(worth.values(), default=0):
             return wait_for[1]
         if not idle:
             return None
-        now = self._clock()
-        coldest = min(idle, key=lambda s: s.last_used)
-        best = max(idle, key=lambda s: (_worth(s, held[s.id], coldest, now), -s.last_used))
+        best = max(idle, key=lambda s: (worth[s.id], -s.last_used))
         self._grant(best)
         return Lease(self, best.id, held[best.id],
                      foreign=best.owner != owner and (best.tokens.size > 0 or best.unknown))
