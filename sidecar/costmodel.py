@@ -63,10 +63,12 @@ class CostModel:
     """Args: prefill_tps: prior tokens/s; restore_gbps: prior end-to-end restore GB/s."""
 
     FIXED_OVERHEAD_S = 0.010  # file write + HTTP round trip of a restore, measured ~5-10 ms here
-    # llama-server's write of a slot file before it has written one here: 1 GB/s, below what it
-    # has done on any node so far (0.75-4 GB/s on a 2-core VM, tmpfs). Too slow a guess only holds
+    # llama-server's write of a slot file before it has written one here: 0.25 GB/s, below what it
+    # has done on any node so far (0.35-4 GB/s on 2-core VMs, tmpfs). Too slow a guess only holds
     # the first save back a little longer (``aftercare.save_pause``); the first write replaces it.
-    SLOT_WRITE_PRIOR_BPS = 1e9
+    # Too fast a one lets it go into the next request: at 1 GB/s a fresh node's first 8B save
+    # (125 MB, written at 0.35 GB/s) waited 62 ms, and a new conversation 0.1 s later waited for it.
+    SLOT_WRITE_PRIOR_BPS = 0.25e9
     SHARING_LEVELS = 4  # prefill rates learned apart beside 0, 1, 2, and 3 or more computing slots
     # ...and by length: prompts of 32-127, 128-511, 512-2,047 and 2,048 or more tokens computed.
     LENGTH_BOUNDS = (128, 512, 2048)
