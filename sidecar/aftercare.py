@@ -68,6 +68,12 @@ LATE_GRACE_S = 0.05
 # prompt on another slot beside the save of a 1,900-token answer (8B-shaped KV, 235 MB, 2 cores)
 # took 1.9x as long as on llama-server alone.
 SAVE_DEFER_S = 10.0
+# A held save's quiet moment (``held_beside``) is at least this long, whatever its pause: it has
+# waited seconds already, and the next request after an answer often comes within it (an agent's
+# tool call, 50-300 ms in ``bench chatsteps``; a new conversation 0.1 s after another's answer in
+# ``due_together``: it went behind the write in 2 of 5 reps once writes learned fast made the
+# pause 0.06-0.1 s).
+HELD_QUIET_S = 0.25
 # How long a save's request is in flight before its slot may go to a request that waits for it
 # (``Aftercare._hand_over_when_wanted``): by then llama-server has queued the save.
 HANDOVER_AFTER_S = 0.05
@@ -130,8 +136,8 @@ async def held_beside(table: SlotTable, slot: int, limit: float, draining: Calla
     it) and the skip checks, which are made again after it. Its pending-save marks are lifted first
     (``lift``): another node's next turn meanwhile does not wait for a save that may be seconds
     away, and restores what the tiers hold. A session's save, and a cut answer's (which a re-prompt
-    on another node restores), are not held back. ``quiet``: the quiet moment it goes after, the
-    save's own pause (``save_pause``: longer before a longer write)."""
+    on another node restores), are not held back. ``quiet``: the quiet moment it goes after (``Aftercare``
+    gives the save's own pause, ``save_pause``, and ``HELD_QUIET_S`` at least)."""
     if limit <= 0 or not table.beside(slot) or table.wanted(slot) or draining():
         return None
     t0 = time.perf_counter()
@@ -146,7 +152,8 @@ async def held_beside(table: SlotTable, slot: int, limit: float, draining: Calla
         # client's next turn, a retry, an agent's next step): the save goes after a quiet moment, not
         # into that request. 12 repeats of a prompt one after another (SmolLM2, quiet) took 29 ms
         # alone and 72 ms through kvtier when the save held back during the prompt went as it ended.
-        # As long as the pause after an answer: a request that comes within it is spared the write.
+        # As long as the pause after an answer (``HELD_QUIET_S`` at least): a request that comes
+        # within it is spared the write.
         if not await _came(lambda s: table.until_busy(slot, s, stop=draining), min(quiet, left)):
             break
     return time.perf_counter() - t0
@@ -308,7 +315,8 @@ class Aftercare:
             await self._server_changed(plan)  # counted when a restart broke the answer off
             return False
         if not cut and plan.session_id is None and (waited := await held_beside(
-                table, lease.slot, self.defer_s, lambda: self._draining > 0, lift, pause)) is not None:
+                table, lease.slot, self.defer_s, lambda: self._draining > 0, lift,
+                max(pause, HELD_QUIET_S))) is not None:
             self.metrics.save_deferred_seconds.observe(waited)
         if await self._server_changed(plan):
             table.forget(lease.slot)
