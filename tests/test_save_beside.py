@@ -91,10 +91,10 @@ async def test_a_held_saves_quiet_moment_outlasts_a_small_saves_pause(redis_srv:
         long = long_request()
         _, other = await answered_beside_another(a.url, long)
         assert (await other).status == 200
-        # The other slot's client asks again 0.15 s after its answer (an agent's tool call). The held
-        # save's own pause is 30 ms (a small write), but its quiet moment is HELD_QUIET_S: it has not
-        # gone by then, and stays held through that request.
-        await asyncio.sleep(0.15)
+        # The other slot's client asks again 0.1 s after its answer (an agent's tool call). The held
+        # save's own pause is 30 ms (a small write), but its quiet moment is HELD_QUIET_S (0.25 s): it
+        # has not gone by then, and stays held through that request.
+        await asyncio.sleep(0.1)
         again = asyncio.ensure_future(post(a.url + "/completion", long))
         assert await saves_while(a, again, "kvtier_save_deferred_seconds_count") == 0
         assert (await again).status == 200
