@@ -34,7 +34,6 @@ async def test_a_live_conversations_slot_is_not_taken_while_a_colder_one_is_free
         # not the live conversation's (the longest common prefix alone would have chosen that one).
         side = await post(a.url + "/completion", {"prompt": OTHER, "n_predict": 4, "temperature": 0})
         assert side.status == 200
-        print("DBG", main_slot, side.headers.get("X-KVTier-Slot"), side.headers.get("X-KVTier-Slot-Cached-Tokens"), a.metric("kvtier_saves_skipped_total"), a.metric("kvtier_saves_handed_over_total"))
         assert int(side.headers["X-KVTier-Slot"]) != main_slot
         await a.engine.drain(30)
 
