@@ -62,7 +62,13 @@ async def test_a_save_that_lifts_its_markers_has_them_gone_at_once_and_never_ren
     r = redis.Redis(port=redis_srv.port)
     try:
         async with pending.held(KEYS, MARK) as lift:
-            await lift()  # right after the block began: waits for the markers to land, then deletes them
+            await asyncio.sleep(0.1)  # the markers landed
+            assert r.exists(*KEYS) == len(KEYS)
+            await lift()  # returns at once; the markers go right after
+            for _ in range(100):
+                if r.exists(*KEYS) == 0:
+                    break
+                await asyncio.sleep(0.01)
             assert r.exists(*KEYS) == 0
             r.set(KEYS[0], b"another save's")  # renewals past the lift would keep it alive
             await asyncio.sleep(0.5)
@@ -70,6 +76,30 @@ async def test_a_save_that_lifts_its_markers_has_them_gone_at_once_and_never_ren
             await lift()  # once is enough: a second changes nothing
         assert r.get(KEYS[0]) == b"another save's", "the exit deleted markers that were no longer its own"
     finally:
+        r.close()
+        await connection.aclose()
+
+
+async def test_a_lift_while_redis_takes_no_write_returns_at_once_and_the_markers_go_once_they_land(
+        redis_srv: RedisProc) -> None:
+    # A held save's wait (and a request for its slot) must not wait for a hung Redis's timeouts.
+    connection = RedisConnection(redis_srv.url, socket_timeout=5)
+    pending = PendingSaves(connection, ttl=30)
+    r = redis.Redis(port=redis_srv.port)
+    try:
+        r.execute_command("CLIENT", "PAUSE", 500, "WRITE")
+        t0 = time.perf_counter()
+        async with pending.held(KEYS, MARK) as lift:
+            await asyncio.sleep(0.05)  # the markers are sent, and wait in Redis
+            t1 = time.perf_counter()
+            await lift()
+            lifted = time.perf_counter() - t1
+        left = time.perf_counter() - t0
+        assert lifted < 0.02, f"the lift waited {lifted:.3f} s for Redis"
+        assert left >= 0.4, "the exit did not wait for the markers to land and be deleted"
+        assert r.exists(*KEYS) == 0, "markers left behind"
+    finally:
+        r.execute_command("CLIENT", "UNPAUSE")
         r.close()
         await connection.aclose()
 

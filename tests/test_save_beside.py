@@ -15,7 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 
+from sidecar.appkeys import UPSTREAM
 from tests.servers import RedisProc
 from tests.sidecars import Answer, Sidecar, post
 from tests.test_aborted_answers import node
@@ -161,3 +163,37 @@ async def test_saves_that_come_due_together_are_written_one_at_a_time(redis_srv:
             await asyncio.sleep(0.02)
         (_, first_read), (second_sent, _) = sorted(writes)
         assert first_read <= second_sent
+
+
+async def test_a_redis_that_takes_no_writes_does_not_keep_a_held_saves_slot(
+        redis_srv: RedisProc, tmp_path: Path) -> None:
+    """The held save's pending-save marks are lifted as its wait begins. With Redis taking no write
+    (paused: a hung or failing-over server), a lift that waited for Redis to take them kept the slot
+    through Redis's timeouts and retries (5 s here). A request for the slot meanwhile goes to
+    llama-server as it comes."""
+    paused = redis.Redis(port=redis_srv.port)
+    async with node(tmp_path, redis_srv.url, "a") as (_, a):
+        upstream = a.app[UPSTREAM]
+        request, sent = upstream.request, []
+
+        async def timed(*args: Any, **kwargs: Any) -> Any:
+            sent.append(time.perf_counter())
+            return await request(*args, **kwargs)
+
+        upstream.request = timed
+        try:
+            paused.client_pause(60_000, all=False)  # writes only: lookups still answer
+            first, other = await answered_beside_another(a.url)
+            t0 = time.perf_counter()
+            again = await post(a.url + "/completion", SHORT)
+            assert again.status == 200
+            assert again.headers["X-KVTier-Slot"] == first.headers["X-KVTier-Slot"]
+            assert again.body["timings"]["prompt_n"] <= 1
+            # (llama-server then serves it beside the other request's prompt: seconds here, as alone.)
+            waited = sent[-1] - t0
+            assert waited < 1.0, f"the request for the held save's slot waited {waited:.1f} s in kvtier"
+        finally:
+            paused.client_unpause()
+            paused.close()
+        assert (await other).status == 200
+        assert await a.engine.drain(30)

@@ -92,27 +92,27 @@ class PendingSaves:
         save that will not run soon: no one should wait for it). Never raises for Redis: without
         markers, other nodes only do not wait.
 
-        The block does not wait for Redis to take them: a save waits a moment before it reads its
+        Neither the block nor a lift waits for Redis: a save waits a moment before it reads its
         slot, and a request that takes the slot over meanwhile (the same prompt again) must not wait
-        for a round trip to Redis. The exit waits for them before it deletes them, then first lets
-        the tasks that are ready run (that request, handed the slot as the save ended).
+        for a round trip to Redis, nor for its timeouts when it hangs. A lift returns at once; the
+        markers go as soon as Redis has them. The exit waits for them before it deletes them, then
+        first lets the tasks that are ready run (that request, handed the slot as the save ended).
         """
         loop = asyncio.get_running_loop()
         was_set: asyncio.Future[bool] = loop.create_future()
-        holder = loop.create_task(self._hold(keys, mark, was_set))
+        lifting = asyncio.Event()
+        holder = loop.create_task(self._hold(keys, mark, was_set, lifting))
         holder.add_done_callback(lambda _: _settle(was_set, False))  # cancelled before it began
-        lifted = False
 
         async def lift() -> None:
-            nonlocal lifted
-            if not lifted:
-                lifted = True
-                await self._release(keys, was_set, holder)
+            lifting.set()  # the holder deletes them once they are set, and renews them no more
 
         try:
             yield lift
         finally:
-            if not lifted:
+            if lifting.is_set():
+                await _ended(holder)
+            else:
                 await self._release(keys, was_set, holder, first_the_ready=True)
 
     async def _release(self, keys: Sequence[bytes], was_set: asyncio.Future[bool], holder: asyncio.Task[None], *,
@@ -124,13 +124,15 @@ class PendingSaves:
         if marked:
             if first_the_ready:
                 await asyncio.sleep(0)
-            try:
-                await self.clear(keys)
-            except KVTierError as exc:
-                log.debug("pending-save markers not cleared (they expire): %s", exc)
+            await self._clear_quietly(keys)
 
-    async def _hold(self, keys: Sequence[bytes], mark: PendingMark, was_set: asyncio.Future[bool]) -> None:
-        """Set the markers, say whether they may be set, then renew them until cancelled."""
+    async def _hold(self, keys: Sequence[bytes], mark: PendingMark, was_set: asyncio.Future[bool],
+                    lifting: asyncio.Event) -> None:
+        """Set the markers, say whether they may be set, then renew them until cancelled or lifted
+        (deleted then)."""
+        if lifting.is_set():  # lifted before they were sent
+            was_set.set_result(False)
+            return
         try:
             await self.mark(keys, mark)
         except KVTierError as exc:
@@ -141,15 +143,21 @@ class PendingSaves:
             was_set.set_result(True)
             raise
         was_set.set_result(True)
-        await self._renew_forever(keys)
-
-    async def _renew_forever(self, keys: Sequence[bytes]) -> None:
-        while True:
-            await asyncio.sleep(self.ttl_ms / 3000)
+        while not lifting.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(lifting.wait(), self.ttl_ms / 3000)
+                break
             try:
                 await self.renew(keys)
             except KVTierError as exc:
                 log.debug("pending-save markers not renewed: %s", exc)
+        await self._clear_quietly(keys)
+
+    async def _clear_quietly(self, keys: Sequence[bytes]) -> None:
+        try:
+            await self.clear(keys)
+        except KVTierError as exc:
+            log.debug("pending-save markers not cleared (they expire): %s", exc)
 
     async def clear(self, keys: Sequence[bytes]) -> None:
         if keys:
@@ -174,6 +182,17 @@ class PendingSaves:
             if left <= 0:
                 return False
             await asyncio.sleep(min(poll, left))
+
+
+async def _ended(holder: asyncio.Task[None]) -> None:
+    """Wait for a lifted block's holder to end (its markers set, then deleted); cancelled with the wait."""
+    try:
+        await asyncio.wait({holder})
+    except asyncio.CancelledError:
+        holder.cancel()
+        raise
+    if not holder.cancelled() and (exc := holder.exception()) is not None:
+        log.warning("pending-save markers: %r", exc)
 
 
 def _settle(future: asyncio.Future[bool], value: bool) -> None:
