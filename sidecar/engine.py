@@ -27,6 +27,7 @@ from tiers.errors import KVTierError
 from tiers.events import EventBus
 from tiers.keys import Namespace
 from tiers.pending import PendingSaves
+from tiers.redis_conn import request_deadline
 from tiers.sessions import Manifest, SessionNotFound, SessionStore
 from tiers.store import TieredStore
 
@@ -214,34 +215,40 @@ class KVEngine:
             # own prompt cache it loads in the same task (a kvtier restore waits in its queue).
             plan.llama_reused = self.watcher.llama_cache.reused(lease.table.tokens(lease.slot), plan.tokens,
                                                                 lease.cached_tokens, plan.salt)
-            # One request waits at most --save-wait for saves in flight, its session's and its prefix's together.
-            budget = WaitBudget(self.settings.save_wait)
-            session = await self._restore_session_prefix(plan, target, budget) \
-                if plan.session_id is not None else False
-            if session:
-                return
-            # No session, or it could not be restored: the longest prefix the tiers hold, as for any
-            # request (with Redis down, the local tiers may hold it).
-            found = await self.planner.plan(plan.namespace, plan.tokens, plan.llama_reused, target, lease.slot,
-                                            early, budget, sharing=lease.sharing)
-            if session is None and budget.ended and await self._restore_session_prefix(plan, target, budget):
-                # The session's first save was not marked yet when its lookup ran, but was by the
-                # prefix lookup's, which waited for it: the session (with its tail) is stored now.
-                return
-            if found is None:
-                if plan.llama_reused > lease.cached_tokens:
-                    self.metrics.decisions.labels("llama_cache").inc()
-                return
-            restored = await self.restorer.restore_prefix(lease, plan.namespace, found, plan.tokens, target,
-                                                          owner=plan.salt)
-            if restored is None:
-                return
-            plan.took(restored)
-            plan.fetched = restored.fetched
+            # For Redis no longer than recomputing would take (a hung server's timeouts and retries take seconds).
+            with request_deadline(self.planner.redis_wait(int(plan.tokens.size) - plan.llama_reused, lease.sharing)):
+                await self._look_up_and_restore(plan, target, early)
         except Exception as exc:  # best-effort: the request goes on as a recompute
             self.metrics.cache_errors.labels("restore").inc()
             log.warning("restore into slot %d failed, recomputing: %s", lease.slot, exc)
             lease.table.forget(lease.slot)
+
+    async def _look_up_and_restore(self, plan: RequestPlan, target: Target, early: EarlyLookup | None) -> None:
+        """The session, else the longest worthwhile prefix, restored (saves in flight waited for: --save-wait in all)."""
+        lease = plan.lease
+        budget = WaitBudget(self.settings.save_wait)
+        session = await self._restore_session_prefix(plan, target, budget) \
+            if plan.session_id is not None else False
+        if session:
+            return
+        # No session, or it could not be restored: the longest prefix the tiers hold, as for any
+        # request (with Redis down, the local tiers may hold it).
+        found = await self.planner.plan(plan.namespace, plan.tokens, plan.llama_reused, target, lease.slot,
+                                        early, budget, sharing=lease.sharing)
+        if session is None and budget.ended and await self._restore_session_prefix(plan, target, budget):
+            # The session's first save was not marked yet when its lookup ran, but was by the
+            # prefix lookup's, which waited for it: the session (with its tail) is stored now.
+            return
+        if found is None:
+            if plan.llama_reused > lease.cached_tokens:
+                self.metrics.decisions.labels("llama_cache").inc()
+            return
+        restored = await self.restorer.restore_prefix(lease, plan.namespace, found, plan.tokens, target,
+                                                      owner=plan.salt)
+        if restored is None:
+            return
+        plan.took(restored)
+        plan.fetched = restored.fetched
 
     async def _restore_session_prefix(self, plan: RequestPlan, target: Target, budget: WaitBudget) -> bool | None:
         """Restore the request's session when it is a prefix of the prompt and worth it; None when

@@ -46,6 +46,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from integrations.kvflow import find_prefix, restorable_tokens
 from tiers.errors import KVTierError
 from tiers.keys import Namespace, common_prefix, prefix_chain
+from tiers.redis_conn import request_deadline
 from tiers.store import TieredStore
 
 from .costmodel import CostModel
@@ -54,7 +55,7 @@ from .http.headers import FORWARDED, FORWARDED_TO, REQUEST_ID, end_to_end
 from .http.relay import PeerAnswer, Relay, relay
 from .logs import request_id
 from .metrics import LATENCY_BUCKETS
-from .planner import EarlyLookup
+from .planner import REDIS_WAIT_FLOOR_S, EarlyLookup
 from .watcher import Target
 
 log = logging.getLogger("kvtier.forward")
@@ -178,10 +179,12 @@ class Forwarder:
         limit = restorable_tokens(int(tokens.size), target.n_ctx_slot)
         chain = prefix_chain(namespace, tokens, limit // C)
         at = time.perf_counter()
-        try:
-            peers, found = await asyncio.gather(
-                self.fleet.lookup(namespace, tokens[:limit], chain),
-                find_prefix(self.store, namespace, tokens, target.shape))
+        try:  # no longer than recomputing here would take (``RestorePlanner.redis_wait``): a hung Redis
+            with request_deadline(REDIS_WAIT_FLOOR_S + self.cost.recompute_s(int(tokens.size) - here_cached,
+                                                                             local_sharing)):
+                peers, found = await asyncio.gather(
+                    self.fleet.lookup(namespace, tokens[:limit], chain),
+                    find_prefix(self.store, namespace, tokens, target.shape))
         except KVTierError as exc:
             log.debug("fleet view not read: %s", exc)
             return None, None

@@ -30,6 +30,9 @@ WASTED_LIMIT = 3  # restores in a row llama-server throws away before restores s
 # How old a lookup made before the slot was taken (the route check) may be and still be planned
 # with. Older (the request waited for a slot), a save may have landed and cleared its marks since.
 EARLY_LOOKUP_S = 0.05
+# Beyond recomputing the prompt, what a request may wait for Redis while it looks up and restores
+# (``redis_wait``): a healthy server answers a lookup in milliseconds, a loaded one within this.
+REDIS_WAIT_FLOOR_S = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +115,12 @@ class RestorePlanner:
         if not self._decide(gain, found.bytes_by_tier(C, target.bytes_per_token), slot, sharing):
             return None
         return found
+
+    def redis_wait(self, tokens: int, sharing: int = 0) -> float:
+        """How long a request that would compute ``tokens`` may wait for Redis, all its lookups and
+        its restore together (``redis_conn.request_deadline``): past recomputing them, no restore
+        pays, and a hung server's timeouts and retries would cost seconds."""
+        return REDIS_WAIT_FLOOR_S + self.cost.recompute_s(max(0, tokens), sharing)
 
     async def wait_for_save(self, namespace: Namespace, tokens: np.ndarray, found: PrefixFound, have: int,
                             target: Target, slot: int, budget: WaitBudget | None = None) -> bool | None:

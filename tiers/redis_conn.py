@@ -12,11 +12,13 @@ failed calls.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import suppress
+from contextvars import ContextVar
 from typing import Any, TypedDict, TypeVar
 
 import redis.asyncio as aioredis
@@ -58,6 +60,27 @@ UNAVAILABLE: tuple[type[BaseException], ...] = (
 )
 
 AnyPipeline = Pipeline | ClusterPipeline
+
+# When the calls a request waits on must have been answered (the event loop's clock; None: no bound,
+# as for background work). Set by ``request_deadline`` around a request's lookups and restores.
+REQUEST_DEADLINE: ContextVar[float | None] = ContextVar("kvtier_redis_request_deadline", default=None)
+# A call given up at a request's deadline after this long feeds the breaker as a failure: a healthy
+# server, however loaded, answers well within it, and a hung one (paused, failing over, partitioned)
+# is then skipped after a few requests rather than costing each its whole deadline.
+LATE_AS_DOWN_S = 0.5
+
+
+@contextlib.contextmanager
+def request_deadline(seconds: float) -> Iterator[None]:
+    """Redis calls made in the block (by this task and the tasks it starts meanwhile) are given up
+    once ``seconds`` have passed, with ``TierUnavailable``: a request waits for Redis no longer than
+    recomputing would take, however long the socket timeouts and retries (seconds when the server
+    hangs). Long-lived workers are started outside any request's context (``WriteBehind``)."""
+    token = REQUEST_DEADLINE.set(asyncio.get_running_loop().time() + max(0.0, seconds))
+    try:
+        yield
+    finally:
+        REQUEST_DEADLINE.reset(token)
 
 
 class RedisOptions(TypedDict, total=False):
@@ -185,6 +208,18 @@ class RedisConnection:
         if not self.breaker.allow():
             self._probe_in_background()
             raise TierUnavailable(f"redis: circuit open, {self.url} skipped")
+        until = REQUEST_DEADLINE.get()
+        if until is None:
+            return await self._guarded(op, call)
+        t0 = asyncio.get_running_loop().time()
+        try:
+            async with asyncio.timeout_at(until):
+                return await self._guarded(op, call)
+        except TimeoutError:  # the deadline's (the call's own failures come as TierUnavailable)
+            self._late(op, asyncio.get_running_loop().time() - t0)
+            raise TierUnavailable(f"redis {op} on {self.url}: no answer by the request's deadline") from None
+
+    async def _guarded(self, op: str, call: Callable[[], Awaitable[T]]) -> T:
         was_closed = self.breaker.closed
         try:
             result = await call()
@@ -221,6 +256,15 @@ class RedisConnection:
                         self.url, type(exc).__name__, exc, st.consecutive_failures, self.breaker.failure_threshold)
         else:
             log.debug("redis %s on %s failed: %s", op, self.url, exc)
+
+    def _late(self, op: str, waited: float) -> None:
+        """A call given up at a request's deadline: counted, and a failure for the breaker when it
+        went unanswered for ``LATE_AS_DOWN_S``."""
+        if waited >= LATE_AS_DOWN_S:
+            self._failed(op, TimeoutError(f"no answer in {waited:.2f} s, by the request's deadline"))
+        else:
+            self._errors += 1
+            log.info("redis %s on %s: no answer in %.3f s, by the request's deadline", op, self.url, waited)
 
     def _succeeded(self, was_closed: bool) -> None:
         self.breaker.record_success()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextvars
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -118,7 +119,10 @@ class WriteBehind:
         if self._worker is None or self._worker.done():
             self._wakeup = asyncio.Event()
             self._idle = asyncio.Event()
-            self._worker = asyncio.get_running_loop().create_task(self._drain_forever(), name="kvtier-write-behind")
+            # A context of its own: started by a write during a request, it must not carry that
+            # request's deadline for Redis calls (``redis_conn.request_deadline``) past it.
+            self._worker = asyncio.get_running_loop().create_task(self._drain_forever(), name="kvtier-write-behind",
+                                                                  context=contextvars.Context())
 
     async def _drain_forever(self) -> None:
         assert self._wakeup is not None and self._idle is not None

@@ -1,0 +1,130 @@
+"""A Redis that hangs (takes commands, answers none: paused, failing over, cut off by a partition
+that drops packets) costs a request no more than recomputing its prompt would.
+
+Its socket timeouts (2 s) and retries (three tries) would make each call wait ~6 s, and a new
+prompt's lookup makes several: 19 s for a 1 s request, before the breaker had seen enough failures.
+A request's lookups and restores now give up on Redis at a deadline (``redis_conn.request_deadline``):
+``REDIS_WAIT_FLOOR_S`` past the cost model's recompute time of the prompt. A call given up after
+``LATE_AS_DOWN_S`` counts as a failure for the breaker, which then skips Redis after a few requests.
+
+Real Valkey (stopped with SIGSTOP), real llama-server and sidecar.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from sidecar.appkeys import REDIS
+from sidecar.planner import REDIS_WAIT_FLOOR_S
+from tests.servers import RedisProc
+from tests.sidecars import post
+from tests.test_aborted_answers import node
+from tiers.errors import TierUnavailable
+from tiers.redis_conn import LATE_AS_DOWN_S, REQUEST_DEADLINE, RedisConnection, request_deadline
+from tiers.writebehind import WriteBehind
+
+
+@contextlib.contextmanager
+def hung(server: RedisProc) -> Iterator[None]:
+    """The server stopped (SIGSTOP): connections are taken by the kernel, nothing is answered.
+    (``CLIENT PAUSE ALL`` would hold back its own ``UNPAUSE`` until the pause ends.)"""
+    assert server.process.proc is not None
+    pid = server.process.proc.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+def new_prompt() -> dict[str, Any]:
+    """~330 tokens no tier holds (its first line tells it apart from every other test's)."""
+    return {"prompt": f"Note {uuid.uuid4().hex}: " + "the cat sat on the mat. " * 40, "n_predict": 2,
+            "temperature": 0}
+
+
+@pytest.mark.llama
+async def test_a_request_waits_for_a_hung_redis_no_longer_than_recomputing_would_take(
+        redis_srv: RedisProc, tmp_path: Path) -> None:
+    async with node(tmp_path, redis_srv.url, "a") as (_, a):
+        for _ in range(2):  # the cost model learns this host's prefill rate
+            assert (await post(a.url + "/completion", new_prompt())).status == 200
+        assert await a.engine.drain(30)
+        estimate = a.engine.cost.recompute_s(330)
+        with hung(redis_srv):
+            took = []
+            for _ in range(4):
+                t0 = time.perf_counter()
+                answer = await post(a.url + "/completion", new_prompt())
+                took.append(time.perf_counter() - t0)
+                assert answer.status == 200, answer.text
+                assert answer.body["timings"]["prompt_n"] > 300  # recomputed
+            compute = answer.body["timings"]["prompt_ms"] / 1000
+            # Each waited for Redis at most the floor past the estimate (plus this host's jitter);
+            # unbounded, the first one took 19 s.
+            bound = compute + REDIS_WAIT_FLOOR_S + estimate + 1.0
+            assert max(took) < bound, f"took {[round(t, 2) for t in took]} s, over {bound:.2f} s"
+            # A deadline of ~1 s is over LATE_AS_DOWN_S: the breaker opened after three requests,
+            # and the fourth did not wait for Redis at all.
+            assert estimate + REDIS_WAIT_FLOOR_S > LATE_AS_DOWN_S
+            assert a.app[REDIS].breaker_stats().opened == 1
+            assert took[-1] < compute + 0.5 * estimate, f"the last one still waited ({took[-1]:.2f} s)"
+        assert await a.engine.drain(30)
+
+
+async def test_a_call_is_given_up_at_the_deadline_and_fails_the_breaker_only_when_it_waited_long(
+        redis_srv: RedisProc) -> None:
+    connection = RedisConnection(redis_srv.url, socket_timeout=5, retries=0)
+    try:
+        assert await connection.run("ping", connection.client.ping)
+        with hung(redis_srv):
+            t0 = time.perf_counter()
+            with request_deadline(0.2), pytest.raises(TierUnavailable, match="deadline"):
+                await connection.run("get", lambda: connection.client.get(b"kvtier:test:hung"))
+            assert 0.15 < time.perf_counter() - t0 < 1.0
+            assert connection.breaker.stats().consecutive_failures == 0  # short: no sign of a dead server
+            assert connection.errors == 1
+            with request_deadline(LATE_AS_DOWN_S + 0.1), pytest.raises(TierUnavailable):
+                await connection.run("get", lambda: connection.client.get(b"kvtier:test:hung"))
+            assert connection.breaker.stats().consecutive_failures == 1
+            with request_deadline(0.0), pytest.raises(TierUnavailable):  # already past: not even sent
+                await connection.run("get", lambda: connection.client.get(b"kvtier:test:hung"))
+        # Outside a deadline, as before: the server answers (on a connection of its own: the ones
+        # given up were dropped, their answers never read as another call's).
+        assert await connection.run("ping", connection.client.ping)
+        assert await connection.run("get", lambda: connection.client.get(b"kvtier:test:hung")) is None
+    finally:
+        await connection.aclose()
+
+
+async def test_the_write_behind_worker_started_during_a_request_keeps_no_deadline() -> None:
+    # A request's write can start the worker; its later writes must not carry that request's deadline.
+    seen: list[float | None] = []
+
+    class Recording:  # a tier that records the deadline its calls see (pure logic)
+        name = "recording"
+
+        async def contains_many(self, keys: list[bytes]) -> list[bool]:
+            seen.append(REQUEST_DEADLINE.get())
+            return [False] * len(keys)
+
+        async def put_many(self, items: dict[bytes, Any]) -> int:
+            return len(items)
+
+    behind = WriteBehind([Recording()])  # type: ignore[list-item]
+    try:
+        with request_deadline(0.05):
+            behind.submit([b"k"], lambda i: b"v")
+        assert await behind.flush(5.0)
+        assert seen == [None]
+    finally:
+        await behind.aclose(1.0)
