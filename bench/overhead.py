@@ -33,6 +33,9 @@ that compute jitters by several ms per request on a small CPU, and differs betwe
 the second request of a pair, and hides a millisecond-sized difference), and the sidecar's own
 ``kvtier_overhead_seconds`` histogram (its time before forwarding, prompt tokens included).
 Target: under 1 ms p50 for every kind, judged on the figure outside llama-server's compute.
+Before the servers start, ``wake_cost`` measures what this host charges code that runs after the
+process idled (one aiohttp response built, hot and after 1, 50 and 200 ms asleep): the figures
+above are made of such costs, and they differ from host to host by an order of magnitude.
 """
 
 from __future__ import annotations
@@ -310,6 +313,38 @@ def _ways(ways: dict[str, int]) -> str:
     return ", ".join(names.get(w, w) for w, n in ways.items() if n) or "-"
 
 
+WAKE_IDLE_MS = (1, 50, 200)  # idle spans before a timed call, in ``wake_cost``
+
+
+def wake_cost(samples: int = 15, idle_ms: tuple[int, ...] = WAKE_IDLE_MS) -> dict[str, float]:
+    """What this host charges Python code that runs after the process idled: the median
+    microseconds to build one aiohttp ``web.Response`` (a 3 KB JSON body) hot, and after sleeping
+    each of ``idle_ms``. A sidecar between requests idles; on a VM whose idle vCPU the host runs
+    something else on, each piece of code and data the next request touches costs far more than
+    in a hot loop, and that, not any one function, is what the added milliseconds are made of."""
+    import statistics
+
+    from aiohttp import web
+
+    body = b'{"content":"' + b"word " * 600 + b'"}'
+
+    def timed() -> float:
+        t0 = time.perf_counter()
+        web.Response(body=body, content_type="application/json")
+        return (time.perf_counter() - t0) * 1e6
+
+    for _ in range(50):
+        timed()
+    out = {"hot": round(statistics.median(timed() for _ in range(200)), 1)}
+    for ms in idle_ms:
+        spans = []
+        for _ in range(samples):
+            time.sleep(ms / 1000)
+            spans.append(timed())
+        out[f"after_{ms}ms_idle"] = round(statistics.median(spans), 1)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench overhead", description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=40, help="request pairs per kind")
@@ -322,13 +357,15 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     timer = Timer()
     with redis_or_given(a.redis_url) as redis_url:
-        info = {"machine": machine(), "versions": versions(redis_url)}
+        info = {"machine": machine(), "versions": versions(redis_url), "wake_cost_us": wake_cost()}
         with progress() as prog, timer.phase("overhead"), tempfile.TemporaryDirectory() as tmp:
             stage_log = Path(tmp) / "stages.jsonl" if a.stages else None
             res = asyncio.run(measure(a.prompt_tokens, a.reps, a.threads, redis_url, prog, stage_log))
     info["machine"]["load_avg_end"] = machine()["load_avg"]
     print_table(f"Sidecar overhead, no restore needed ({a.prompt_tokens}-token prompt in the slot, n_predict 1)",
                 HEADERS, rows(res))
+    console.print("This host's cost of waking: one aiohttp web.Response built, median us: "
+                  + ", ".join(f"{k.replace('_', ' ')} {v:g}" for k, v in info["wake_cost_us"].items()))
     if a.stages:
         print_table("Where the sidecar's time goes: median ms per stage (with the stage hooks)",
                     ["stage", *res["kinds"]], stage_rows(res))

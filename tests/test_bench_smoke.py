@@ -256,6 +256,8 @@ def test_stage_medians_and_the_overhead_verdict() -> None:
     kind = {"added_outside_compute_ms_p50": 1.2}
     assert overhead._verdict({**kind, "target_ms": 1.0}) == "NOT met (< 1 ms)"
     assert overhead._verdict(kind) == "met (< 2 ms)"  # a run from before the target was 1 ms
+    wake = overhead.wake_cost(samples=2, idle_ms=(1, 5))  # the host's figures, reported with each run
+    assert list(wake) == ["hot", "after_1ms_idle", "after_5ms_idle"] and all(v > 0 for v in wake.values())
 
 
 def test_datapath_rates_each_path_against_the_floor_the_issue_names() -> None:
