@@ -68,6 +68,10 @@ REQUEST_DEADLINE: ContextVar[float | None] = ContextVar("kvtier_redis_request_de
 # server, however loaded, answers well within it, and a hung one (paused, failing over, partitioned)
 # is then skipped after a few requests rather than costing each its whole deadline.
 LATE_AS_DOWN_S = 0.5
+# The one call a deadline does not cut: reading chunk values, which the cost model chose knowing
+# their size and learns its fetch rates from. A server that sends them is not hung, and one that
+# hangs has failed the lookup before (a hang that begins during the transfer waits out the timeouts).
+GET_CHUNKS = "get chunks"
 
 
 @contextlib.contextmanager
@@ -208,7 +212,7 @@ class RedisConnection:
         if not self.breaker.allow():
             self._probe_in_background()
             raise TierUnavailable(f"redis: circuit open, {self.url} skipped")
-        until = REQUEST_DEADLINE.get()
+        until = REQUEST_DEADLINE.get() if op != GET_CHUNKS else None
         if until is None:
             return await self._guarded(op, call)
         t0 = asyncio.get_running_loop().time()

@@ -21,7 +21,7 @@ from .base import StatsCounter, TierRole, TierStats
 from .breaker import BreakerStats, CircuitBreaker
 from .errors import KVTierError, TierUnavailable
 from .redis_bulk import Buffer, BulkLane, Command
-from .redis_conn import AnyPipeline, RedisConnection, RedisOptions, ttl_seconds
+from .redis_conn import GET_CHUNKS, AnyPipeline, RedisConnection, RedisOptions, ttl_seconds
 from .redis_urls import RedisTarget
 
 log = logging.getLogger("kvtier.redis")
@@ -183,14 +183,14 @@ class RedisTier:
         (values straight into buffers of their own), else one redis-py pipeline."""
         lane = self.connection.bulk
         if lane is None or (self._refresh and not self._use_getex):
-            return await self.connection.pipeline("get", lambda pipe: self._fill_get(pipe, keys, with_ttl))
+            return await self.connection.pipeline(GET_CHUNKS, lambda pipe: self._fill_get(pipe, keys, with_ttl))
         if not self._refresh:
             commands: list[Command] = [(b"GET", key) for key in keys]
         else:
             ex = (b"EX", b"%d" % self.ttl) if self.ttl is not None else ()
             commands = [c for key in keys for c in ([(b"PTTL", key)] if with_ttl else []) + [(b"GETEX", key, *ex)]]
         step = 2 if self._refresh and with_ttl else 1
-        return await self.connection.run("get", lambda: lane.execute(commands, step=step))
+        return await self.connection.run(GET_CHUNKS, lambda: lane.execute(commands, step=step))
 
     def _fill_get(self, pipe: AnyPipeline, keys: Sequence[bytes], with_ttl: bool) -> None:
         if not self._refresh:
