@@ -56,8 +56,10 @@ def new_prompt() -> dict[str, Any]:
 async def test_a_request_waits_for_a_hung_redis_no_longer_than_recomputing_would_take(
         redis_srv: RedisProc, tmp_path: Path) -> None:
     async with node(tmp_path, redis_srv.url, "a") as (_, a):
-        for _ in range(2):  # the cost model learns this host's prefill rate
-            assert (await post(a.url + "/completion", new_prompt())).status == 200
+        # Priced at 300 tokens/s whatever this host computes: the deadline (~1.2 s) is then over
+        # LATE_AS_DOWN_S here and on a faster machine alike.
+        a.pin_prefill_rate(300.0)
+        assert (await post(a.url + "/completion", new_prompt())).status == 200
         assert await a.engine.drain(30)
         estimate = a.engine.cost.recompute_s(330)
         with hung(redis_srv):
