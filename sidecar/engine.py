@@ -36,7 +36,7 @@ from .asked import FOLLOW_UP_MAX_CHARS, Asked
 from .config import Settings
 from .costmodel import CostModel
 from .metrics import Metrics
-from .planner import EarlyLookup, RestorePlanner, WaitBudget
+from .planner import EarlyLookup, RestorePlanner, WaitBudget, redis_wait_s
 from .prompts import Prompt, PromptTokens
 from .requestplan import NO_TOKENS, RequestPlan
 from .restorer import Restored, RestoreWriter
@@ -216,7 +216,7 @@ class KVEngine:
             plan.llama_reused = self.watcher.llama_cache.reused(lease.table.tokens(lease.slot), plan.tokens,
                                                                 lease.cached_tokens, plan.salt)
             # For Redis no longer than recomputing would take (a hung server's timeouts and retries take seconds).
-            with request_deadline(self.planner.redis_wait(int(plan.tokens.size) - plan.llama_reused, lease.sharing)):
+            with request_deadline(redis_wait_s(self.cost, int(plan.tokens.size) - plan.llama_reused, lease.sharing)):
                 await self._look_up_and_restore(plan, target, early)
         except Exception as exc:  # best-effort: the request goes on as a recompute
             self.metrics.cache_errors.labels("restore").inc()

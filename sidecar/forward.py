@@ -55,7 +55,7 @@ from .http.headers import FORWARDED, FORWARDED_TO, REQUEST_ID, end_to_end
 from .http.relay import PeerAnswer, Relay, relay
 from .logs import request_id
 from .metrics import LATENCY_BUCKETS
-from .planner import REDIS_WAIT_FLOOR_S, EarlyLookup
+from .planner import EarlyLookup, redis_wait_s
 from .watcher import Target
 
 log = logging.getLogger("kvtier.forward")
@@ -179,9 +179,8 @@ class Forwarder:
         limit = restorable_tokens(int(tokens.size), target.n_ctx_slot)
         chain = prefix_chain(namespace, tokens, limit // C)
         at = time.perf_counter()
-        try:  # no longer than recomputing here would take (``RestorePlanner.redis_wait``): a hung Redis
-            with request_deadline(REDIS_WAIT_FLOOR_S + self.cost.recompute_s(int(tokens.size) - here_cached,
-                                                                             local_sharing)):
+        try:  # no longer than recomputing here would take: a hung Redis
+            with request_deadline(redis_wait_s(self.cost, int(tokens.size) - here_cached, local_sharing)):
                 peers, found = await asyncio.gather(
                     self.fleet.lookup(namespace, tokens[:limit], chain),
                     find_prefix(self.store, namespace, tokens, target.shape))

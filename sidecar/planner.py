@@ -31,8 +31,15 @@ WASTED_LIMIT = 3  # restores in a row llama-server throws away before restores s
 # with. Older (the request waited for a slot), a save may have landed and cleared its marks since.
 EARLY_LOOKUP_S = 0.05
 # Beyond recomputing the prompt, what a request may wait for Redis while it looks up and restores
-# (``redis_wait``): a healthy server answers a lookup in milliseconds, a loaded one within this.
+# (``redis_wait_s``): a healthy server answers a lookup in milliseconds, a loaded one within this.
 REDIS_WAIT_FLOOR_S = 0.1
+
+
+def redis_wait_s(cost: CostModel, tokens: int, sharing: int = 0) -> float:
+    """How long a request that would compute ``tokens`` may wait for Redis, all its lookups and its
+    restore together (``redis_conn.request_deadline``; the forwarding check's lookups alike): past
+    recomputing them, no restore pays, and a hung server's timeouts and retries would cost seconds."""
+    return REDIS_WAIT_FLOOR_S + cost.recompute_s(max(0, tokens), sharing)
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,12 +122,6 @@ class RestorePlanner:
         if not self._decide(gain, found.bytes_by_tier(C, target.bytes_per_token), slot, sharing):
             return None
         return found
-
-    def redis_wait(self, tokens: int, sharing: int = 0) -> float:
-        """How long a request that would compute ``tokens`` may wait for Redis, all its lookups and
-        its restore together (``redis_conn.request_deadline``): past recomputing them, no restore
-        pays, and a hung server's timeouts and retries would cost seconds."""
-        return REDIS_WAIT_FLOOR_S + self.cost.recompute_s(max(0, tokens), sharing)
 
     async def wait_for_save(self, namespace: Namespace, tokens: np.ndarray, found: PrefixFound, have: int,
                             target: Target, slot: int, budget: WaitBudget | None = None) -> bool | None:

@@ -302,9 +302,6 @@ class _HangingPlanner:
     def __init__(self) -> None:
         self.entered = asyncio.Event()
 
-    def redis_wait(self, tokens: int, sharing: int = 0) -> float:
-        return 60.0
-
     async def plan(self, *args: object, **kw: object) -> None:
         self.entered.set()
         await asyncio.Event().wait()
