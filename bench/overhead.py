@@ -1,14 +1,14 @@
 """``python -m bench overhead``: what the sidecar adds to a request that needs no restore.
 
-    python -m bench overhead                          # 40 pairs per kind, a minute or two
+    python -m bench overhead                          # 40 rounds per kind, a few minutes
     python -m bench overhead --reps 200 --prompt-tokens 2048
 
-Two llama-servers (``-np 1``, same flags), a kvtier sidecar in front of the first, and an embedded
-Valkey; direct requests go to the second, so the two paths never share a slot. Each slot holds a prompt
-of ``--prompt-tokens``; each pair of requests adds a new short tail to it (the next question of a
+Three llama-servers (``-np 1``, same flags), a kvtier sidecar in front of the first, and an embedded
+Valkey; direct requests go to the second, so the paths never share a slot. Each slot holds a prompt
+of ``--prompt-tokens``; each round adds a new short tail to it (the next question of a
 conversation: nothing to restore, a few new tokens to compute, text the sidecar has not seen), and
-sends the same request straight to llama-server and through the sidecar, in alternating order,
-``--reps`` pairs per kind:
+sends the same request straight to llama-server, through the sidecar and through the bare relay
+(below), in rotating order, ``--reps`` rounds per kind:
 
     completion   ``/completion`` with a text prompt (the sidecar tokenizes all of it)
     tokens       ``/completion`` with a token-id prompt (nothing to tokenize)
@@ -22,7 +22,10 @@ sends the same request straight to llama-server and through the sidecar, in alte
 How the sidecar learned the tokens (in-process, by asking llama-server, or not at all for a
 follow-up) is reported per kind, with the mean time it took (``kvtier_prompt_seconds``). The
 ``GET /health`` row is the extra HTTP hop alone: llama-server's health check passed through the
-sidecar untouched, against the same request sent straight to llama-server.
+sidecar untouched, against the same request sent straight to llama-server. A third llama-server
+(same flags) sits behind a bare relay (``bench/barerelay.py``: bytes in, bytes out, on uvloop), and
+each round sends the request on all three paths, in rotating order: what the relay adds is the
+floor of any Python proxy on this host, in the same run.
 Between two requests the benchmark waits until the sidecar's background save of the slot has
 finished (``kvtier_pending_saves`` 0), as it would between turns of a conversation; the
 ``back-to-back`` row sends sidecar requests without that pause, so each waits for the save the
@@ -54,6 +57,7 @@ import aiohttp
 from rich.progress import Progress
 
 from . import stages
+from .barerelay import bare_relay
 from .common import (
     RESULTS_DIR,
     Samples,
@@ -134,82 +138,96 @@ async def measure(prompt_tokens: int, reps: int, threads: int, redis_url: str,
     ctx = (prompt_tokens + 512) // 256 * 256
     out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "reps": reps, "fresh_tails": True,
                            "direct_server": "own", "kinds": {}}
-    task = prog.add_task("overhead: starting llama-server + sidecar", total=reps * (len(KINDS) * 2 + 1)) if prog else None
+    task = prog.add_task("overhead: starting llama-server + sidecar", total=reps * (len(KINDS) * 3 + 1)) if prog else None
     with _env(stages.hook_env(stage_log) if stage_log else {}), \
-            cluster(2, base_llama_args(ctx, threads), sidecar=True, redis_url=redis_url) as cl:
+            cluster(3, base_llama_args(ctx, threads), sidecar=True, redis_url=redis_url) as cl:
         # The direct path has a llama-server of its own (same binary, model and flags): sharing one
         # would have every direct request change the sidecar's slot behind its back, and the
-        # sidecar read the slot again (a slot save) while it measures.
-        node, alone = cl.nodes
-        if alone.sidecar is not None:
-            alone.sidecar.stop()
-        async with client_session(keep_alive=True) as s:
-            tokens = await exact_tokens(s, node.llama_url, prompt_tokens, seed=77)
-            text = (await _detokenize(s, node.llama_url, tokens)).strip()
-            tails = {kind: [tail_for(kind, i) for i in range(reps)] for kind in KINDS}
-            tail_ids = [await _tokenize(s, node.llama_url, t) for t in tails["tokens"]]
-            for kind in KINDS:
-                # chat_new_history warms up with a history of its own shape, so that its first pair
-                # is no follow-up of a shorter chat.
-                path, body = request_for(kind, tokens, text, tail_for("warm-up", 0) if kind == "chat_new_history" else "")
-                # Warm-up through the sidecar (the slot then holds the prompt, and the sidecar knows it)
-                # and on the direct path's own llama-server.
-                await timed_post(s, node.sidecar_url + path, body)
-                await timed_post(s, alone.llama_url + path, body)
-                await wait_idle(s, [node.sidecar_url])
-                direct: list[float] = []
-                side: list[float] = []
-                compute: dict[str, list[float]] = {"direct": [], "sidecar": []}
-                prompt_n: list[int] = []
-                recorded = len(stages.read(stage_log)) if stage_log else 0
-                before = await scrape(s, node.sidecar_url)
-                for i in range(reps):
-                    if prog and task is not None:
-                        prog.update(task, description=f"overhead: {kind} pair {i + 1}/{reps}")
-                    # Alternate the order so a slow moment of the machine hits both paths alike.
-                    order = ("direct", "sidecar") if i % 2 == 0 else ("sidecar", "direct")
-                    path, body = request_for(kind, tokens, text, tails[kind][i], tail_ids[i])
-                    for which in order:
-                        base = alone.llama_url if which == "direct" else node.sidecar_url
-                        ms, data = await timed_post(s, base + path, body)
-                        (direct if which == "direct" else side).append(ms)
-                        timings = data.get("timings", {})
-                        prompt_n.append(int(timings.get("prompt_n", -1)))
-                        compute[which].append(float(timings.get("prompt_ms", 0)) + float(timings.get("predicted_ms", 0)))
-                        await wait_idle(s, [node.sidecar_url])
-                        if prog and task is not None:
-                            prog.advance(task)
-                after = await scrape(s, node.sidecar_url)
-                out["kinds"][kind] = _kind_result(direct, side, before, after, prompt_n, compute)
-                if stage_log:
-                    out["kinds"][kind]["stages_ms"] = stages.medians(stages.read(stage_log)[recorded:])
-            # The extra HTTP hop alone: a request kvtier passes through untouched (no compute either side).
-            walls: dict[str, list[float]] = {"direct": [], "sidecar": []}
-            for i in range(reps):
-                for which in ("direct", "sidecar") if i % 2 == 0 else ("sidecar", "direct"):
-                    t0 = time.perf_counter()
-                    async with s.get((alone.llama_url if which == "direct" else node.sidecar_url) + "/health") as r:
-                        await r.read()
-                    walls[which].append((time.perf_counter() - t0) * 1000)
-            out["passthrough"] = {"direct_ms": summary(walls["direct"], 3), "sidecar_ms": summary(walls["sidecar"], 3),
-                                  "paired_diff_ms": summary([b - a for a, b in zip(walls["direct"], walls["sidecar"])], 3)}
-            # A burst: sidecar requests back to back, each waiting for the previous one's slot save.
-            path, body = request_for("completion", tokens, text)
-            burst: list[float] = []
-            for i in range(reps):
-                if prog and task is not None:
-                    prog.update(task, description=f"overhead: back-to-back {i + 1}/{reps}")
-                ms, _ = await timed_post(s, node.sidecar_url + path, body)
-                burst.append(ms)
-                if prog and task is not None:
-                    prog.advance(task)
-            await wait_idle(s, [node.sidecar_url])
-            out["back_to_back"] = {"sidecar_ms": summary(burst, 2)}
-            final = await scrape(s, node.sidecar_url)
-            out["save_seconds"] = {"count": metric(final, "kvtier_save_seconds_count"),
-                                   "mean_ms": round(1000 * metric(final, "kvtier_save_seconds_sum")
-                                                    / max(metric(final, "kvtier_save_seconds_count"), 1), 2)}
+        # sidecar read the slot again (a slot save) while it measures. The bare relay (the floor
+        # of any Python proxy here) has a third.
+        node, alone, relayed = cl.nodes
+        for other in (alone, relayed):
+            if other.sidecar is not None:
+                other.sidecar.stop()
+        with bare_relay(relayed.llama_url) as relay_url:
+            bases = {"direct": alone.llama_url, "sidecar": node.sidecar_url, "relay": relay_url}
+            await _rounds(bases, node.sidecar_url, prompt_tokens, reps, out, prog, task, stage_log)
     return out
+
+
+async def _rounds(bases: dict[str, str], sidecar_url: str, prompt_tokens: int, reps: int, out: dict[str, Any],
+                 prog: Progress | None, task: Any, stage_log: Path | None) -> None:
+    llama_url = bases["direct"]
+    async with client_session(keep_alive=True) as s:
+        tokens = await exact_tokens(s, llama_url, prompt_tokens, seed=77)
+        text = (await _detokenize(s, llama_url, tokens)).strip()
+        tails = {kind: [tail_for(kind, i) for i in range(reps)] for kind in KINDS}
+        tail_ids = [await _tokenize(s, llama_url, t) for t in tails["tokens"]]
+        for kind in KINDS:
+            # chat_new_history warms up with a history of its own shape, so that its first pair
+            # is no follow-up of a shorter chat.
+            path, body = request_for(kind, tokens, text, tail_for("warm-up", 0) if kind == "chat_new_history" else "")
+            # Warm-up through the sidecar (the slot then holds the prompt, and the sidecar knows it),
+            # and on the other paths' own llama-servers.
+            for base in bases.values():
+                await timed_post(s, base + path, body)
+            await wait_idle(s, [sidecar_url])
+            walls: dict[str, list[float]] = {which: [] for which in bases}
+            compute: dict[str, list[float]] = {which: [] for which in bases}
+            prompt_n: list[int] = []
+            recorded = len(stages.read(stage_log)) if stage_log else 0
+            before = await scrape(s, sidecar_url)
+            for i in range(reps):
+                if prog and task is not None:
+                    prog.update(task, description=f"overhead: {kind} round {i + 1}/{reps}")
+                path, body = request_for(kind, tokens, text, tails[kind][i], tail_ids[i])
+                for which in _order(i):
+                    ms, data = await timed_post(s, bases[which] + path, body)
+                    walls[which].append(ms)
+                    timings = data.get("timings", {})
+                    prompt_n.append(int(timings.get("prompt_n", -1)))
+                    compute[which].append(float(timings.get("prompt_ms", 0)) + float(timings.get("predicted_ms", 0)))
+                    await wait_idle(s, [sidecar_url])
+                    if prog and task is not None:
+                        prog.advance(task)
+            after = await scrape(s, sidecar_url)
+            out["kinds"][kind] = _kind_result(walls, before, after, prompt_n, compute)
+            if stage_log:
+                out["kinds"][kind]["stages_ms"] = stages.medians(stages.read(stage_log)[recorded:])
+        # The extra HTTP hop alone: a request kvtier passes through untouched (no compute either side).
+        hops: dict[str, list[float]] = {which: [] for which in bases}
+        for i in range(reps):
+            for which in _order(i):
+                t0 = time.perf_counter()
+                async with s.get(bases[which] + "/health") as r:
+                    await r.read()
+                hops[which].append((time.perf_counter() - t0) * 1000)
+        out["passthrough"] = {"direct_ms": summary(hops["direct"], 3), "sidecar_ms": summary(hops["sidecar"], 3),
+                              "paired_diff_ms": summary([b - a for a, b in zip(hops["direct"], hops["sidecar"])], 3),
+                              "relay_ms": summary(hops["relay"], 3)}
+        # A burst: sidecar requests back to back, each waiting for the previous one's slot save.
+        path, body = request_for("completion", tokens, text)
+        burst: list[float] = []
+        for i in range(reps):
+            if prog and task is not None:
+                prog.update(task, description=f"overhead: back-to-back {i + 1}/{reps}")
+            ms, _ = await timed_post(s, sidecar_url + path, body)
+            burst.append(ms)
+            if prog and task is not None:
+                prog.advance(task)
+        await wait_idle(s, [sidecar_url])
+        out["back_to_back"] = {"sidecar_ms": summary(burst, 2)}
+        final = await scrape(s, sidecar_url)
+        out["save_seconds"] = {"count": metric(final, "kvtier_save_seconds_count"),
+                               "mean_ms": round(1000 * metric(final, "kvtier_save_seconds_sum")
+                                                / max(metric(final, "kvtier_save_seconds_count"), 1), 2)}
+
+
+def _order(i: int) -> tuple[str, ...]:
+    """The paths' order in round ``i``: each goes first, second and third alike, so a slow moment
+    of the machine hits all of them."""
+    paths = ("direct", "sidecar", "relay")
+    return paths[i % 3:] + paths[:i % 3]
 
 
 async def _tokenize(s: aiohttp.ClientSession, llama_url: str, text: str) -> list[int]:
@@ -222,14 +240,14 @@ async def _detokenize(s: aiohttp.ClientSession, llama_url: str, tokens: list[int
         return str((await r.json())["content"])
 
 
-def _kind_result(direct: list[float], side: list[float], before: Samples, after: Samples,
+def _kind_result(walls: dict[str, list[float]], before: Samples, after: Samples,
                  prompt_n: list[int], compute: dict[str, list[float]]) -> dict[str, Any]:
+    direct, side = walls["direct"], walls["sidecar"]
     diffs = [b - a for a, b in zip(direct, side)]
     # llama-server's own prompt + generation time varies by several ms from request to request,
     # the same on both paths; subtracted per request, what is left is everything else: HTTP, the
     # sidecar, tokenization round trips.
-    outside = {path: [w - c for w, c in zip(walls, compute[path])]
-               for path, walls in (("direct", direct), ("sidecar", side))}
+    outside = {path: [w - c for w, c in zip(walls[path], compute[path])] for path in walls}
     outside_added = round(percentile(outside["sidecar"], 50) - percentile(outside["direct"], 50), 2)
     count = metric(after, "kvtier_overhead_seconds_count") - metric(before, "kvtier_overhead_seconds_count")
     total = metric(after, "kvtier_overhead_seconds_sum") - metric(before, "kvtier_overhead_seconds_sum")
@@ -255,6 +273,10 @@ def _kind_result(direct: list[float], side: list[float], before: Samples, after:
         "prompt_n_max": max(prompt_n) if prompt_n else None,
         "outside_compute_ms": {path: summary(v, 2) for path, v in outside.items()},
         "added_outside_compute_ms_p50": outside_added,
+        # The floor: what a bare relay (bench/barerelay.py: bytes in, bytes out) adds the same way.
+        "relay_ms": summary(walls["relay"], 2) if "relay" in walls else None,
+        "relay_added_outside_compute_ms_p50": (round(percentile(outside["relay"], 50) - percentile(outside["direct"], 50), 2)
+                                               if "relay" in walls else None),
         "target_ms": TARGET_MS,
     }
 
@@ -264,20 +286,24 @@ def rows(res: dict[str, Any]) -> list[list[Any]]:
     for kind, k in res["kinds"].items():
         out.append([kind, k["direct_ms"]["p50"], k["direct_ms"]["p90"], k["sidecar_ms"]["p50"], k["sidecar_ms"]["p90"],
                     k["added_ms_p50"], k["paired_diff_ms"]["p50"], k["added_outside_compute_ms_p50"],
+                    k.get("relay_added_outside_compute_ms_p50"),
                     k["sidecar_histogram"]["mean_ms"], k.get("prompt_tokens_mean_ms"),
                     _ways(k.get("prompt_tokens_by", {})), _verdict(k)])
     if "passthrough" in res:
         d, p = res["passthrough"]["direct_ms"], res["passthrough"]["sidecar_ms"]
         out.append(["GET /health (passed through)", d["p50"], d["p90"], p["p50"], p["p90"],
-                    round(p["p50"] - d["p50"], 2), res["passthrough"]["paired_diff_ms"]["p50"], None, None, None,
-                    None, ""])
+                    round(p["p50"] - d["p50"], 2), res["passthrough"]["paired_diff_ms"]["p50"], None,
+                    round(r["p50"] - d["p50"], 2) if (r := res["passthrough"].get("relay_ms")) else None,
+                    None, None, None, ""])
     b = res["back_to_back"]["sidecar_ms"]
-    out.append(["completion, back-to-back", None, None, b["p50"], b["p90"], None, None, None, None, None, None, ""])
+    out.append(["completion, back-to-back", None, None, b["p50"], b["p90"], None, None, None, None, None, None, None,
+                ""])
     return out
 
 
 HEADERS = ["request", "direct p50 ms", "direct p90 ms", "sidecar p50 ms", "sidecar p90 ms", "added p50 ms",
-           "paired diff p50 ms", "added outside llama-server's compute p50 ms", "sidecar's own mean ms",
+           "paired diff p50 ms", "added outside llama-server's compute p50 ms",
+           "a bare relay adds (outside compute) p50 ms", "sidecar's own mean ms",
            "of which prompt tokens mean ms", "prompt tokens", "target (outside compute)"]
 
 
@@ -347,7 +373,7 @@ def wake_cost(samples: int = 15, idle_ms: tuple[int, ...] = WAKE_IDLE_MS) -> dic
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench overhead", description=__doc__.splitlines()[0])
-    p.add_argument("--reps", type=int, default=40, help="request pairs per kind")
+    p.add_argument("--reps", type=int, default=40, help="rounds of requests per kind (one on each path)")
     p.add_argument("--prompt-tokens", type=int, default=512, help="prompt length (held in the slot)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--redis-url", help="use this Redis instead of an embedded Valkey")

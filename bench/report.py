@@ -873,7 +873,7 @@ def _md_others(other: dict[str, Any]) -> str:
         if ov.get("direct_server") == "own":
             tails += "; direct requests go to a second llama-server with the same flags (no shared slot)"
         out.append(f"\n### `python -m bench overhead`\n\n{ov['prompt_tokens']}-token prompt already in the slot, "
-                   f"{tails}, n_predict 1, {ov['reps']} alternating pairs per kind (load average "
+                   f"{tails}, n_predict 1, {ov['reps']} rounds per kind, the paths' order rotating (load average "
                    f"{ov['machine'].get('load_avg')}). *Outside llama-server's compute*: each request's wall time "
                    f"minus llama-server's `prompt_ms + predicted_ms` (which jitter by several ms here, alike on both "
                    f"paths), sidecar p50 minus direct p50; the target is judged on it. *sidecar's own*: the mean of "
@@ -881,6 +881,9 @@ def _md_others(other: dict[str, Any]) -> str:
                    f"*of which prompt tokens*: the mean of `kvtier_prompt_seconds` (rendering and tokenizing). "
                    f"*GET /health*: llama-server's health check passed through the sidecar untouched, against the "
                    f"same request straight to llama-server: the extra HTTP hop alone, no compute on either side. "
+                   f"*a bare relay adds*: the same figure for `bench/barerelay.py` (bytes in, bytes out on "
+                   f"uvloop, in front of a third llama-server with the same flags, timed in the same rounds): "
+                   f"the floor any Python proxy sits on here. "
                    f"*prompt tokens*: given by the client, computed in kvtier, asked of llama-server, or not "
                    f"needed (a follow-up: the request continues what its slot answered last and goes there "
                    f"untokenized; `chat_new_history` changes an earlier message, so it is tokenized).\n\n")

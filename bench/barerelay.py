@@ -1,0 +1,142 @@
+"""A bare HTTP relay: the least a Python proxy on uvloop can add to a request (``bench overhead``).
+
+    python -m bench.barerelay PORT UPSTREAM_HOST UPSTREAM_PORT
+
+Bytes in, bytes out: each request is framed by its ``Content-Length`` and written unchanged to
+a kept-alive connection to llama-server; the answer, framed the same way, is written back
+unchanged. No JSON, no headers read beyond the framing, no logging, no metrics. What it adds to
+a request is the second hop through the kernel and one wake of a Python process per direction:
+the floor that a sidecar, which must read the request to place it, sits on. Benchmark use only
+(no chunked bodies, no pipelining, no limits).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import subprocess
+import sys
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import uvloop
+
+from launch.binaries import free_port
+from launch.processes import wait_port
+
+
+def _framed(buf: bytearray) -> int:
+    """The length of the first whole message in ``buf`` (head and body), or 0."""
+    end = buf.find(b"\r\n\r\n")
+    if end < 0:
+        return 0
+    length = 0
+    for line in bytes(buf[:end]).split(b"\r\n")[1:]:
+        name, _, value = line.partition(b":")
+        if name.strip().lower() == b"content-length":
+            length = int(value)
+    total = end + 4 + length
+    return total if len(buf) >= total else 0
+
+
+def _messages(buf: bytearray, data: bytes) -> Iterator[bytes]:
+    """``data`` appended to ``buf``; the whole messages taken out of it, in order."""
+    buf += data
+    while n := _framed(buf):
+        message = bytes(buf[:n])
+        del buf[:n]
+        yield message
+
+
+class _Upstream(asyncio.Protocol):
+    def __init__(self, client: _Client) -> None:
+        self.client, self.buf = client, bytearray()
+        self.transport: asyncio.Transport | None = None
+        self.sent: bytes | None = None  # the request sent on this connection and not answered yet
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def send(self, message: bytes) -> None:
+        assert self.transport is not None
+        self.sent = message
+        self.transport.write(message)
+
+    def data_received(self, data: bytes) -> None:
+        for answer in _messages(self.buf, data):
+            head = answer[:answer.find(b"\r\n\r\n")].lower()
+            if b"\r\nconnection: close" in head and self.client.up is self:
+                self.client.up = None  # llama-server closes it after so many requests: not reused
+            self.sent = None
+            self.client.transport.write(answer)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.client.up is self:
+            self.client.up = None
+        if self.sent is not None:  # closed before it answered (an idle close racing a request)
+            self.client.forward(self.sent)
+
+
+class _Client(asyncio.Protocol):
+    def __init__(self, host: str, port: int) -> None:
+        self.addr, self.buf = (host, port), bytearray()
+        self.up: _Upstream | None = None
+        self.waiting: list[bytes] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport: asyncio.Transport = transport  # type: ignore[assignment]
+
+    async def _connect(self) -> None:
+        _, up = await asyncio.get_running_loop().create_connection(lambda: _Upstream(self), *self.addr)
+        self.up = up
+        waiting, self.waiting = self.waiting, []
+        for message in waiting:
+            self.forward(message)
+
+    def forward(self, message: bytes) -> None:
+        if self.up is None:
+            self.waiting.append(message)
+            if len(self.waiting) == 1:
+                asyncio.get_running_loop().create_task(self._connect())
+        else:
+            self.up.send(message)
+
+    def data_received(self, data: bytes) -> None:
+        for message in _messages(self.buf, data):
+            self.forward(message)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.up is not None and self.up.transport is not None:
+            self.up.transport.close()
+
+
+async def serve(port: int, host: str, upstream_port: int) -> None:
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: _Client(host, upstream_port), "127.0.0.1", port)
+    async with server:
+        await server.serve_forever()
+
+
+@contextlib.contextmanager
+def bare_relay(upstream_url: str) -> Iterator[str]:
+    """A bare relay in front of ``upstream_url`` (its own process, as a sidecar is); its URL."""
+    up = urlsplit(upstream_url)
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "bench.barerelay", str(port), up.hostname or "127.0.0.1",
+                             str(up.port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_port(port, proc=proc)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def main(argv: list[str]) -> int:
+    port, host, upstream_port = int(argv[0]), argv[1], int(argv[2])
+    uvloop.run(serve(port, host, upstream_port))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))
