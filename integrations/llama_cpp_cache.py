@@ -37,7 +37,9 @@ prompt that stops inside a stored state, ends with it, or leaves it, is computed
 llama.cpp cannot rewind a recurrent state, and the last prompt token is always evaluated.
 
 Every cache step is best-effort: a miss, a damaged or foreign chunk, an unreachable Redis or an
-error only means the prompt is evaluated as without a cache. Nothing read from a store is unpickled:
+error only means the prompt is evaluated as without a cache. A lookup waits for Redis no longer
+than evaluating the prompt would take (``redis_wait_s``): a server that hangs costs a completion
+a second or so, not its socket timeouts and retries. Nothing read from a store is unpickled:
 values are checked blobs (``tiers.codec``), their payloads raw KV rows.
 """
 
@@ -57,6 +59,7 @@ from llama_cpp.llama_cache import BaseLlamaCache
 from tiers.errors import ConfigError
 from tiers.keys import Namespace, as_token_array, common_prefix
 from tiers.pending import PendingSaves
+from tiers.redis_conn import REDIS_WAIT_FLOOR_S, request_deadline
 from tiers.sessions import Manifest
 from tiers.store import StoreResult, TieredStore
 
@@ -68,6 +71,7 @@ from .llama_cpp_state import (
     ContextInfo,
     context_tokens,
     load_seq_image,
+    prefill_seconds,
     probe_context,
     read_seq_image,
     state_to_store,
@@ -356,7 +360,8 @@ class KVTierCache(BaseLlamaCache):
             return None
         pending = self.store.pending if self.save_wait > 0 else None
         fetched = self.store.call(_lookup_and_fetch(self.store.store, pending, self.namespace, tokens, self.info.shape,
-                                                    have, self.save_wait), self.timeout)
+                                                    have, _waits(self.llm, self.save_wait, int(tokens.size) - have)),
+                                  self.timeout)
         if fetched is None or fetched.n_tokens <= have:
             return None
         return fetched
@@ -385,16 +390,35 @@ class KVTierCache(BaseLlamaCache):
 # -- module-level helpers -------------------------------------------------------------------------
 
 
+def redis_wait_s(compute_s: float) -> float:
+    """How long a completion's lookup, fetch and any wait for a save in flight may wait for Redis
+    in all (``redis_conn.request_deadline``), when evaluating the prompt takes ``compute_s``:
+    past that no restore pays, and a hung server's timeouts and retries would cost seconds."""
+    return REDIS_WAIT_FLOOR_S + compute_s
+
+
+def _waits(llm: Llama, save_wait: float, n_tokens: int) -> tuple[float, float]:
+    """How long a lookup of a prompt that would evaluate ``n_tokens`` may wait for another node's
+    save in flight (``save_wait`` at most, never longer than evaluating it), and for Redis in all
+    (``redis_wait_s``)."""
+    recompute = prefill_seconds(llm, n_tokens)
+    wait = save_wait if recompute is None else min(save_wait, recompute)
+    return wait, redis_wait_s(wait if recompute is None else recompute)
+
+
 async def _lookup_and_fetch(store: TieredStore, pending: PendingSaves | None, namespace: Namespace,
                             tokens: np.ndarray, shape: LookupShape, have: int,
-                            save_wait: float) -> kvflow.PrefixFetched | None:
+                            waits: tuple[float, float]) -> kvflow.PrefixFetched | None:
     """On the store's loop: the longest stored prefix of ``tokens`` longer than ``have``, fetched
-    and verified, after waiting up to ``save_wait`` for another node's save that holds more."""
-    found = (await flows.find_prefix_waiting(store, pending, namespace, tokens, shape, have=have,
-                                             limit=lambda _save, _known: save_wait)).found
-    if found.n_tokens <= have:
-        return None
-    return await kvflow.fetch_prefix(store, namespace, found, promote=True)
+    and verified, after waiting up to ``waits[0]`` for another node's save that holds more, all
+    of it bounded by ``waits[1]`` seconds of waiting for Redis."""
+    save_wait, redis_wait = waits
+    with request_deadline(redis_wait):
+        found = (await flows.find_prefix_waiting(store, pending, namespace, tokens, shape, have=have,
+                                                 limit=lambda _save, _known: save_wait)).found
+        if found.n_tokens <= have:
+            return None
+        return await kvflow.fetch_prefix(store, namespace, found, promote=True)
 
 
 def _cache_of(llm: Llama, cache: KVTierCache | None) -> KVTierCache:

@@ -71,6 +71,18 @@ class ContextInfo:
         return LookupShape(self.n_ctx, self.memory_kind)
 
 
+MIN_MEASURED_PROMPT_TOKENS = 32  # prompt tokens a context must have evaluated before its rate is used
+
+
+def prefill_seconds(llm: Any, n_tokens: int) -> float | None:
+    """What evaluating ``n_tokens`` of prompt takes ``llm``'s context, at the rate llama.cpp's own
+    counters measured over every prompt it evaluated; None before it has evaluated enough."""
+    perf = _api().llama_perf_context(llm.ctx)
+    if perf.n_p_eval < MIN_MEASURED_PROMPT_TOKENS or perf.t_p_eval_ms <= 0:
+        return None
+    return max(0, n_tokens) * float(perf.t_p_eval_ms) / 1000.0 / int(perf.n_p_eval)
+
+
 def _api() -> Any:
     import llama_cpp  # lazy: the core package works without llama-cpp-python
 

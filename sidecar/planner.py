@@ -16,6 +16,7 @@ from integrations.pendingflow import PendingSave, Waited, wait_for_pending
 from tiers.base import TierRole
 from tiers.keys import Namespace, common_prefix
 from tiers.pending import PendingSaves
+from tiers.redis_conn import REDIS_WAIT_FLOOR_S
 from tiers.sessions import Manifest, SessionNotFound, SessionStore
 from tiers.store import LookupResult, TieredStore
 
@@ -30,9 +31,6 @@ WASTED_LIMIT = 3  # restores in a row llama-server throws away before restores s
 # How old a lookup made before the slot was taken (the route check) may be and still be planned
 # with. Older (the request waited for a slot), a save may have landed and cleared its marks since.
 EARLY_LOOKUP_S = 0.05
-# Beyond recomputing the prompt, what a request may wait for Redis while it looks up and restores
-# (``redis_wait_s``): a healthy server answers a lookup in milliseconds, a loaded one within this.
-REDIS_WAIT_FLOOR_S = 0.1
 
 
 def redis_wait_s(cost: CostModel, tokens: int, sharing: int = 0) -> float:

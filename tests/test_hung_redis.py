@@ -7,7 +7,10 @@ A request's lookups and restores now give up on Redis at a deadline (``redis_con
 ``REDIS_WAIT_FLOOR_S`` past the cost model's recompute time of the prompt. A call given up after
 ``LATE_AS_DOWN_S`` counts as a failure for the breaker, which then skips Redis after a few requests.
 
-Real Valkey (stopped with SIGSTOP), real llama-server and sidecar.
+The in-process cache (``KVTierCache``) bounds its lookups the same way, at the rate its own
+context measured: its first completion on a hung Redis took 19.7 s for 1.3 s of compute.
+
+Real Valkey (stopped with SIGSTOP), real llama-server and sidecar, a real in-process SmolLM2.
 """
 
 from __future__ import annotations
@@ -23,13 +26,22 @@ from typing import Any
 
 import pytest
 
+from integrations.llama_cpp_cache import KVTierCache
+from integrations.llama_cpp_state import prefill_seconds
 from sidecar.appkeys import REDIS
-from sidecar.planner import REDIS_WAIT_FLOOR_S
-from tests.servers import RedisProc
+from tests.inprocess import counting_llama
+from tests.servers import RedisProc, smollm2_path
 from tests.sidecars import post
 from tests.test_aborted_answers import node
 from tiers.errors import TierUnavailable
-from tiers.redis_conn import GET_CHUNKS, LATE_AS_DOWN_S, REQUEST_DEADLINE, RedisConnection, request_deadline
+from tiers.redis_conn import (
+    GET_CHUNKS,
+    LATE_AS_DOWN_S,
+    REDIS_WAIT_FLOOR_S,
+    REQUEST_DEADLINE,
+    RedisConnection,
+    request_deadline,
+)
 from tiers.writebehind import WriteBehind
 
 
@@ -81,6 +93,43 @@ async def test_a_request_waits_for_a_hung_redis_no_longer_than_recomputing_would
             assert a.app[REDIS].breaker_stats().opened == 1
             assert took[-1] < compute + 0.5 * estimate, f"the last one still waited ({took[-1]:.2f} s)"
         assert await a.engine.drain(30)
+
+
+@pytest.mark.llama
+def test_an_in_process_completion_waits_for_a_hung_redis_no_longer_than_evaluating_its_prompt(
+        redis_srv: RedisProc) -> None:
+    llm = counting_llama(smollm2_path())
+    try:
+        prompt = new_prompt()["prompt"]
+        assert prefill_seconds(llm, 100) is None  # nothing evaluated yet: no rate to price with
+        cache = KVTierCache(llm, redis_url=redis_srv.url, chunk_tokens=64)  # the default socket timeouts, retries
+        llm.set_cache(cache)
+        llm.create_completion(prompt, max_tokens=2, temperature=0)  # measures this context's rate
+        assert cache.flush(30)
+        estimate = prefill_seconds(llm, 330)
+        assert estimate is not None and estimate > 0
+        with hung(redis_srv):
+            took = []
+            for _ in range(4):
+                llm.reset()
+                llm.evals.clear()  # type: ignore[attr-defined]
+                t0 = time.perf_counter()
+                llm.create_completion(new_prompt()["prompt"], max_tokens=2, temperature=0)
+                took.append(time.perf_counter() - t0)
+                assert llm.evals[0] > 300  # type: ignore[attr-defined]  # recomputed
+            redis_tier = cache.stats()["tiers"]["redis"]
+        llm.set_cache(None)
+        cache.close()
+        # Each waited for Redis at most the floor past the estimate (plus this host's jitter), on
+        # top of its compute (about the estimate again); unbounded, the first took 19.7 s.
+        bound = 2 * estimate + REDIS_WAIT_FLOOR_S + 1.0
+        assert max(took) < bound, f"took {[round(t, 2) for t in took]} s, over {bound:.2f} s"
+        if estimate + REDIS_WAIT_FLOOR_S > LATE_AS_DOWN_S:  # calls cut that late open the breaker
+            assert not redis_tier["available"] and redis_tier["errors"] >= 3
+            assert took[-1] < 1.5 * estimate + 0.5, f"the last one still waited ({took[-1]:.2f} s)"
+    finally:
+        llm.set_cache(None)
+        llm.close()
 
 
 async def test_a_call_is_given_up_at_the_deadline_and_fails_the_breaker_only_when_it_waited_long(

@@ -225,11 +225,15 @@ def test_second_process_restores_what_the_first_computed(llm: llama_cpp.Llama, f
         assert cache.stats()["tiers"]["redis"]["hits"] >= restored // CHUNK
 
 
-def test_a_restore_waits_for_a_save_in_flight_on_another_node(llm: llama_cpp.Llama, flushed: RedisProc) -> None:
+def test_a_restore_waits_for_a_save_in_flight_on_another_node(llm: llama_cpp.Llama, flushed: RedisProc,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """Node A has computed a prompt and marked its save (the marks of ``pendingflow.pending_save``) but
     its chunks are not in Redis yet; node B's restore of that prompt waits for the save, and only
-    with ``save_wait`` 0 does it give up at once."""
+    with ``save_wait`` 0 does it give up at once. It never waits longer than evaluating the prompt
+    would take: priced at 0.1 s, it gives up before the save lands."""
     prompt = tokens_of(llm, FACTS, "Which box holds the most marbles?")
+    price = {"s": 60.0}  # B's context is priced, whatever this host computes: the wait is the point here
+    monkeypatch.setattr("integrations.llama_cpp_cache.prefill_seconds", lambda _llm, _n: price["s"])
     other = llama_cpp.Llama(smollm2_path(), n_ctx=2048, n_threads=2, n_batch=512, seed=7, verbose=False)
     try:
         other.eval(prompt)  # node A's context: it just computed the prompt
@@ -242,10 +246,13 @@ def test_a_restore_waits_for_a_save_in_flight_on_another_node(llm: llama_cpp.Lla
                     while not release.is_set():
                         await asyncio.sleep(0.01)
 
-            for save_wait, expect in ((0.0, 0), (10.0, (len(prompt) - 1) // CHUNK * CHUNK)):
+            for save_wait, priced, expect in ((0.0, 60.0, 0), (10.0, 60.0, (len(prompt) - 1) // CHUNK * CHUNK),
+                                              (10.0, 0.1, 0)):
+                price["s"] = priced
                 marks = threading.Thread(target=a.store.call, args=(in_flight(),))
                 marks.start()
                 assert saving.wait(10)
+                llm.reset()  # B's context holds nothing of the prompt (the last case restored into it)
                 with cached(llm, flushed.url, save_wait=save_wait) as b:
                     restored: list[int] = []
                     restoring = threading.Thread(target=lambda: restored.append(b.restore(prompt)))  # noqa: B023
@@ -254,7 +261,9 @@ def test_a_restore_waits_for_a_save_in_flight_on_another_node(llm: llama_cpp.Lla
                     assert a.save() is not None and a.flush(10)  # A's save, in Redis now
                     release.set()
                     restoring.join(20)
-                    assert restored == [expect], (save_wait, restored)
+                    assert restored == [expect], (save_wait, priced, restored)
+                    # A wait given up is a miss, not a failure of the cache or of Redis.
+                    assert b.counters.errors == 0 and b.stats()["tiers"]["redis"]["errors"] == 0
                 marks.join(5)
                 saving.clear()
                 release.clear()

@@ -64,6 +64,10 @@ AnyPipeline = Pipeline | ClusterPipeline
 # When the calls a request waits on must have been answered (the event loop's clock; None: no bound,
 # as for background work). Set by ``request_deadline`` around a request's lookups and restores.
 REQUEST_DEADLINE: ContextVar[float | None] = ContextVar("kvtier_redis_request_deadline", default=None)
+# Beyond recomputing the prompt, what a request may wait for Redis while it looks up and restores
+# (the sidecar's ``planner.redis_wait_s``, the in-process cache's ``llama_cpp_cache.redis_wait_s``):
+# a healthy server answers a lookup in milliseconds, a loaded one within this.
+REDIS_WAIT_FLOOR_S = 0.1
 # A call given up at a request's deadline after this long feeds the breaker as a failure: a healthy
 # server, however loaded, answers well within it, and a hung one (paused, failing over, partitioned)
 # is then skipped after a few requests rather than costing each its whole deadline.
