@@ -1,6 +1,6 @@
 """A bare HTTP relay: the least a Python proxy on uvloop can add to a request (``bench overhead``).
 
-    python -m bench.barerelay PORT UPSTREAM_HOST UPSTREAM_PORT
+    python -m bench.barerelay PORT UPSTREAM_HOST UPSTREAM_PORT [--aiohttp]
 
 Bytes in, bytes out: each request is framed by its ``Content-Length`` and written unchanged to
 a kept-alive connection to llama-server; the answer, framed the same way, is written back
@@ -8,6 +8,10 @@ unchanged. No JSON, no headers read beyond the framing, no logging, no metrics. 
 a request is the second hop through the kernel and one wake of a Python process per direction:
 the floor that a sidecar, which must read the request to place it, sits on. Benchmark use only
 (no chunked bodies, no pipelining, no limits).
+
+With ``--aiohttp`` it is the sidecar's HTTP layer and nothing else: an aiohttp application with one
+handler that reads the body and relays it with the sidecar's own ``Upstream`` and ``relay`` (no
+middleware, no JSON, no slots): what kvtier's web layer costs before any of its own logic.
 """
 
 from __future__ import annotations
@@ -117,13 +121,38 @@ async def serve(port: int, host: str, upstream_port: int) -> None:
         await server.serve_forever()
 
 
+async def serve_aiohttp(port: int, host: str, upstream_port: int) -> None:
+    from aiohttp import web
+
+    from sidecar.http.headers import for_llama_server
+    from sidecar.http.relay import MAX_CAPTURE, Relay, relay
+    from sidecar.http.upstream import Upstream
+
+    upstream = Upstream(f"http://{host}:{upstream_port}")
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        answer = await upstream.request(request.method, request.raw_path, for_llama_server(request.headers.items()),
+                                        body)
+        return await relay(request, answer, Relay(), whole_max=MAX_CAPTURE)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await asyncio.Event().wait()
+
+
 @contextlib.contextmanager
-def bare_relay(upstream_url: str) -> Iterator[str]:
-    """A bare relay in front of ``upstream_url`` (its own process, as a sidecar is); its URL."""
+def bare_relay(upstream_url: str, web_layer: bool = False) -> Iterator[str]:
+    """A bare relay in front of ``upstream_url`` (its own process, as a sidecar is); its URL.
+    ``web_layer``: the aiohttp one (``--aiohttp``)."""
     up = urlsplit(upstream_url)
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "bench.barerelay", str(port), up.hostname or "127.0.0.1",
-                             str(up.port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             str(up.port), *(["--aiohttp"] if web_layer else [])],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_port(port, proc=proc)
         yield f"http://127.0.0.1:{port}"
@@ -134,7 +163,7 @@ def bare_relay(upstream_url: str) -> Iterator[str]:
 
 def main(argv: list[str]) -> int:
     port, host, upstream_port = int(argv[0]), argv[1], int(argv[2])
-    uvloop.run(serve(port, host, upstream_port))
+    uvloop.run((serve_aiohttp if "--aiohttp" in argv[3:] else serve)(port, host, upstream_port))
     return 0
 
 

@@ -7,8 +7,8 @@ Three llama-servers (``-np 1``, same flags), a kvtier sidecar in front of the fi
 Valkey; direct requests go to the second, so the paths never share a slot. Each slot holds a prompt
 of ``--prompt-tokens``; each round adds a new short tail to it (the next question of a
 conversation: nothing to restore, a few new tokens to compute, text the sidecar has not seen), and
-sends the same request straight to llama-server, through the sidecar and through the bare relay
-(below), in rotating order, ``--reps`` rounds per kind:
+sends the same request straight to llama-server, through the sidecar and through the two bare
+relays (below), in rotating order, ``--reps`` rounds per kind:
 
     completion   ``/completion`` with a text prompt (the sidecar tokenizes all of it)
     tokens       ``/completion`` with a token-id prompt (nothing to tokenize)
@@ -23,9 +23,11 @@ How the sidecar learned the tokens (in-process, by asking llama-server, or not a
 follow-up) is reported per kind, with the mean time it took (``kvtier_prompt_seconds``). The
 ``GET /health`` row is the extra HTTP hop alone: llama-server's health check passed through the
 sidecar untouched, against the same request sent straight to llama-server. A third llama-server
-(same flags) sits behind a bare relay (``bench/barerelay.py``: bytes in, bytes out, on uvloop), and
-each round sends the request on all three paths, in rotating order: what the relay adds is the
-floor of any Python proxy on this host, in the same run.
+(same flags) sits behind a bare relay (``bench/barerelay.py``: bytes in, bytes out, on uvloop), a
+fourth behind the sidecar's HTTP layer alone (``--aiohttp``: aiohttp, ``Upstream`` and the relay, no
+middleware and no logic), and each round sends the request on all four paths, in rotating order:
+what the bare relay adds is the floor of any Python proxy on this host, what the aiohttp one adds
+the floor of kvtier's web stack, in the same run.
 Between two requests the benchmark waits until the sidecar's background save of the slot has
 finished (``kvtier_pending_saves`` 0), as it would between turns of a conversation; the
 ``back-to-back`` row sends sidecar requests without that pause, so each waits for the save the
@@ -138,19 +140,19 @@ async def measure(prompt_tokens: int, reps: int, threads: int, redis_url: str,
     ctx = (prompt_tokens + 512) // 256 * 256
     out: dict[str, Any] = {"prompt_tokens": prompt_tokens, "reps": reps, "fresh_tails": True,
                            "direct_server": "own", "kinds": {}}
-    task = prog.add_task("overhead: starting llama-server + sidecar", total=reps * (len(KINDS) * 3 + 1)) if prog else None
+    task = prog.add_task("overhead: starting llama-server + sidecar", total=reps * (len(KINDS) * 4 + 1)) if prog else None
     with _env(stages.hook_env(stage_log) if stage_log else {}), \
-            cluster(3, base_llama_args(ctx, threads), sidecar=True, redis_url=redis_url) as cl:
+            cluster(4, base_llama_args(ctx, threads), sidecar=True, redis_url=redis_url) as cl:
         # The direct path has a llama-server of its own (same binary, model and flags): sharing one
         # would have every direct request change the sidecar's slot behind its back, and the
         # sidecar read the slot again (a slot save) while it measures. The bare relay (the floor
-        # of any Python proxy here) has a third.
-        node, alone, relayed = cl.nodes
-        for other in (alone, relayed):
+        # of any Python proxy here) has a third, the aiohttp relay (kvtier's web layer alone) a fourth.
+        node, alone, relayed, web_relayed = cl.nodes
+        for other in (alone, relayed, web_relayed):
             if other.sidecar is not None:
                 other.sidecar.stop()
-        with bare_relay(relayed.llama_url) as relay_url:
-            bases = {"direct": alone.llama_url, "sidecar": node.sidecar_url, "relay": relay_url}
+        with bare_relay(relayed.llama_url) as relay_url, bare_relay(web_relayed.llama_url, web_layer=True) as web_url:
+            bases = {"direct": alone.llama_url, "sidecar": node.sidecar_url, "relay": relay_url, "web": web_url}
             await _rounds(bases, node.sidecar_url, prompt_tokens, reps, out, prog, task, stage_log)
     return out
 
@@ -204,7 +206,7 @@ async def _rounds(bases: dict[str, str], sidecar_url: str, prompt_tokens: int, r
                 hops[which].append((time.perf_counter() - t0) * 1000)
         out["passthrough"] = {"direct_ms": summary(hops["direct"], 3), "sidecar_ms": summary(hops["sidecar"], 3),
                               "paired_diff_ms": summary([b - a for a, b in zip(hops["direct"], hops["sidecar"])], 3),
-                              "relay_ms": summary(hops["relay"], 3)}
+                              "relay_ms": summary(hops["relay"], 3), "web_relay_ms": summary(hops["web"], 3)}
         # A burst: sidecar requests back to back, each waiting for the previous one's slot save.
         path, body = request_for("completion", tokens, text)
         burst: list[float] = []
@@ -223,11 +225,14 @@ async def _rounds(bases: dict[str, str], sidecar_url: str, prompt_tokens: int, r
                                                 / max(metric(final, "kvtier_save_seconds_count"), 1), 2)}
 
 
+PATHS = ("direct", "sidecar", "relay", "web")
+
+
 def _order(i: int) -> tuple[str, ...]:
-    """The paths' order in round ``i``: each goes first, second and third alike, so a slow moment
-    of the machine hits all of them."""
-    paths = ("direct", "sidecar", "relay")
-    return paths[i % 3:] + paths[:i % 3]
+    """The paths' order in round ``i``: each takes every place in turn, so a slow moment of the
+    machine hits all of them."""
+    k = i % len(PATHS)
+    return PATHS[k:] + PATHS[:k]
 
 
 async def _tokenize(s: aiohttp.ClientSession, llama_url: str, text: str) -> list[int]:
@@ -277,6 +282,9 @@ def _kind_result(walls: dict[str, list[float]], before: Samples, after: Samples,
         "relay_ms": summary(walls["relay"], 2) if "relay" in walls else None,
         "relay_added_outside_compute_ms_p50": (round(percentile(outside["relay"], 50) - percentile(outside["direct"], 50), 2)
                                                if "relay" in walls else None),
+        # kvtier's web layer alone (bench/barerelay.py --aiohttp: aiohttp, Upstream, relay; no logic).
+        "web_relay_added_outside_compute_ms_p50": (round(percentile(outside["web"], 50) - percentile(outside["direct"], 50), 2)
+                                                   if "web" in walls else None),
         "target_ms": TARGET_MS,
     }
 
@@ -286,7 +294,7 @@ def rows(res: dict[str, Any]) -> list[list[Any]]:
     for kind, k in res["kinds"].items():
         out.append([kind, k["direct_ms"]["p50"], k["direct_ms"]["p90"], k["sidecar_ms"]["p50"], k["sidecar_ms"]["p90"],
                     k["added_ms_p50"], k["paired_diff_ms"]["p50"], k["added_outside_compute_ms_p50"],
-                    k.get("relay_added_outside_compute_ms_p50"),
+                    k.get("relay_added_outside_compute_ms_p50"), k.get("web_relay_added_outside_compute_ms_p50"),
                     k["sidecar_histogram"]["mean_ms"], k.get("prompt_tokens_mean_ms"),
                     _ways(k.get("prompt_tokens_by", {})), _verdict(k)])
     if "passthrough" in res:
@@ -294,16 +302,17 @@ def rows(res: dict[str, Any]) -> list[list[Any]]:
         out.append(["GET /health (passed through)", d["p50"], d["p90"], p["p50"], p["p90"],
                     round(p["p50"] - d["p50"], 2), res["passthrough"]["paired_diff_ms"]["p50"], None,
                     round(r["p50"] - d["p50"], 2) if (r := res["passthrough"].get("relay_ms")) else None,
+                    round(w["p50"] - d["p50"], 2) if (w := res["passthrough"].get("web_relay_ms")) else None,
                     None, None, None, ""])
     b = res["back_to_back"]["sidecar_ms"]
-    out.append(["completion, back-to-back", None, None, b["p50"], b["p90"], None, None, None, None, None, None, None,
-                ""])
+    out.append(["completion, back-to-back", None, None, b["p50"], b["p90"], *[None] * 8, ""])
     return out
 
 
 HEADERS = ["request", "direct p50 ms", "direct p90 ms", "sidecar p50 ms", "sidecar p90 ms", "added p50 ms",
            "paired diff p50 ms", "added outside llama-server's compute p50 ms",
-           "a bare relay adds (outside compute) p50 ms", "sidecar's own mean ms",
+           "a bare relay adds (outside compute) p50 ms", "an aiohttp relay adds (outside compute) p50 ms",
+           "sidecar's own mean ms",
            "of which prompt tokens mean ms", "prompt tokens", "target (outside compute)"]
 
 

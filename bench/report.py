@@ -883,7 +883,8 @@ def _md_others(other: dict[str, Any]) -> str:
                    f"same request straight to llama-server: the extra HTTP hop alone, no compute on either side. "
                    f"*a bare relay adds*: the same figure for `bench/barerelay.py` (bytes in, bytes out on "
                    f"uvloop, in front of a third llama-server with the same flags, timed in the same rounds): "
-                   f"the floor any Python proxy sits on here. "
+                   f"the floor any Python proxy sits on here; *an aiohttp relay adds*: the same for the "
+                   f"sidecar's HTTP layer alone (`--aiohttp`: aiohttp, `Upstream`, the relay; no middleware, no logic). "
                    f"*prompt tokens*: given by the client, computed in kvtier, asked of llama-server, or not "
                    f"needed (a follow-up: the request continues what its slot answered last and goes there "
                    f"untokenized; `chat_new_history` changes an earlier message, so it is tokenized).\n\n")

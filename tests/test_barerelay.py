@@ -1,6 +1,6 @@
-"""``bench overhead``'s bare relay (the floor it compares the sidecar with): its framing, and a
-real relay process in front of a real HTTP server, kept alive across requests and across the
-server closing its side after an answer (as llama-server does after so many requests)."""
+"""``bench overhead``'s bare relays (the floors it compares the sidecar with): the byte relay's
+framing, and real relay processes in front of a real HTTP server, kept alive across requests and
+across the server closing its side after an answer (as llama-server does after so many requests)."""
 
 from __future__ import annotations
 
@@ -90,9 +90,10 @@ def test_the_relay_passes_answers_through_on_one_kept_alive_connection() -> None
     assert [len(b) for b in bodies] == [i * 1000 + 1 for i in range(7)]
 
 
+@pytest.mark.parametrize("web_layer", [False, True])
 @pytest.mark.parametrize("size", [0, 200_000])
-def test_an_empty_and_a_large_body_pass_whole(size: int) -> None:
-    with _server() as upstream, bare_relay(upstream) as url:
+def test_an_empty_and_a_large_body_pass_whole(size: int, web_layer: bool) -> None:
+    with _server() as upstream, bare_relay(upstream, web_layer=web_layer) as url:
         async def go() -> bytes:
             async with aiohttp.ClientSession() as s, s.post(url + "/echo", data=b"y" * size) as r:
                 return await r.read()
