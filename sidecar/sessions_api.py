@@ -7,6 +7,11 @@ this node (``{"slot": n}`` optional), show its manifest and where its chunks liv
 A slot another request is using is waited for up to ``wait_s`` (body field, default 10 s, at
 most 120 s); then the answer is 409. Session ids never reach the filesystem: slot files are named
 by kvtier.
+
+Each Redis call of a save, restore, show or delete, other than moving chunk values, waits at most
+``REDIS_CALL_S`` (``redis_conn.call_budget``): with Redis hung, an operation fails with 503 in
+seconds, and a slot it holds is not kept from the requests waiting for it through Redis's
+timeouts and retries.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import numpy as np
 from aiohttp import web
 
 from tiers.errors import KVTierError, TierUnavailable
+from tiers.redis_conn import call_budget
 from tiers.sessions import SessionIncomplete, SessionNotFound, validate_session_id
 
 from .appkeys import ENGINE, METRICS
@@ -29,6 +35,9 @@ from .tenants import tenant_salt
 MAX_BODY = 64 * 1024
 DEFAULT_WAIT_S = 10.0
 MAX_WAIT_S = 120.0
+# One Redis call (all its tries) of an operation: a healthy server, even a loaded one, answers a
+# manifest or a lookup well within this; over LATE_AS_DOWN_S, so calls cut here feed the breaker.
+REDIS_CALL_S = 1.0
 
 
 class ApiError(Exception):
@@ -54,6 +63,18 @@ def sessions_errors(handler: Handler) -> Handler:
             return json_error(503, str(exc), "unavailable")
         except KVTierError as exc:
             return json_error(502, str(exc), "cache_error")
+
+    return wrapped
+
+
+def redis_bounded(handler: Handler) -> Handler:
+    """Each Redis call of the operation waits at most ``REDIS_CALL_S`` (bulk transfers aside). Not
+    for listing and purging: one of their calls walks the keyspace."""
+
+    @functools.wraps(handler)
+    async def wrapped(request: web.Request) -> web.StreamResponse:
+        with call_budget(REDIS_CALL_S):
+            return await handler(request)
 
     return wrapped
 
@@ -132,6 +153,7 @@ async def _acquire(engine: Any, tokens: np.ndarray, slot: int | None, wait: floa
 
 
 @sessions_errors
+@redis_bounded
 async def save_session(request: web.Request) -> web.Response:
     session_id = _session_id(request)
     data = await _body(request)
@@ -150,7 +172,8 @@ async def save_session(request: web.Request) -> web.Response:
             raise ApiError(403, "forbidden", "that slot holds another tenant's conversation")
         if lease.table.tokens(slot).size == 0:
             raise ApiError(409, "conflict", f"slot {slot} holds no conversation")
-        manifest = await engine.save_session(lease, ns, session_id, owner=salt)
+        # The slot is free once its state is read: requests waiting for it do not wait for Redis.
+        manifest = await engine.save_session(lease, ns, session_id, owner=salt, read=lease.release)
     return web.json_response({
         "id": session_id, "slot": slot, "tokens": manifest.n_tokens, "chunks": manifest.chunks,
         "tail_tokens": manifest.tail_tokens, "bytes": manifest.bytes, "shared": engine.sessions.shared,
@@ -159,6 +182,7 @@ async def save_session(request: web.Request) -> web.Response:
 
 
 @sessions_errors
+@redis_bounded
 async def restore_session(request: web.Request) -> web.Response:
     session_id = _session_id(request)
     data = await _body(request)
@@ -177,6 +201,7 @@ async def restore_session(request: web.Request) -> web.Response:
 
 
 @sessions_errors
+@redis_bounded
 async def get_session(request: web.Request) -> web.Response:
     session_id = _session_id(request)
     engine = await _engine_ready(request)
@@ -219,6 +244,7 @@ async def list_sessions(request: web.Request) -> web.Response:
 
 
 @sessions_errors
+@redis_bounded
 async def delete_session(request: web.Request) -> web.Response:
     session_id = _session_id(request)
     engine = await _engine_ready(request)

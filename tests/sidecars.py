@@ -128,10 +128,12 @@ class Answer:
         return str(self.body["content"])
 
 
-async def post(url: str, body: Any, *, raw: bytes | None = None, headers: dict[str, str] | None = None) -> Answer:
+async def post(url: str, body: Any, *, raw: bytes | None = None, headers: dict[str, str] | None = None,
+               method: str = "POST") -> Answer:
     async with aiohttp.ClientSession() as s:
         data = raw if raw is not None else json.dumps(body).encode()
-        async with s.post(url, data=data, headers={"Content-Type": "application/json", **(headers or {})}) as r:
+        async with s.request(method, url, data=data,
+                             headers={"Content-Type": "application/json", **(headers or {})}) as r:
             text = await r.text()
             try:
                 parsed = json.loads(text)

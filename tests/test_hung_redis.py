@@ -15,6 +15,7 @@ Real Valkey (stopped with SIGSTOP), real llama-server and sidecar, a real in-pro
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -29,6 +30,7 @@ import pytest
 from integrations.llama_cpp_cache import KVTierCache
 from integrations.llama_cpp_state import prefill_seconds
 from sidecar.appkeys import REDIS
+from sidecar.sessions_api import REDIS_CALL_S
 from tests.inprocess import counting_llama
 from tests.servers import RedisProc, smollm2_path
 from tests.sidecars import post
@@ -37,9 +39,11 @@ from tiers.errors import TierUnavailable
 from tiers.redis_conn import (
     GET_CHUNKS,
     LATE_AS_DOWN_S,
+    PUT_CHUNKS,
     REDIS_WAIT_FLOOR_S,
     REQUEST_DEADLINE,
     RedisConnection,
+    call_budget,
     request_deadline,
 )
 from tiers.writebehind import WriteBehind
@@ -157,6 +161,53 @@ async def test_a_call_is_given_up_at_the_deadline_and_fails_the_breaker_only_whe
             assert await connection.run(GET_CHUNKS, lambda: connection.client.get(b"kvtier:test:hung")) is None
     finally:
         await connection.aclose()
+
+
+async def test_a_call_budget_bounds_each_call_but_not_the_transfer_of_chunk_values(redis_srv: RedisProc) -> None:
+    connection = RedisConnection(redis_srv.url, socket_timeout=5, retries=0)
+    try:
+        assert await connection.run("ping", connection.client.ping)
+        with hung(redis_srv):
+            for _ in range(2):  # each call gets the budget afresh (a request's deadline is one for all)
+                t0 = time.perf_counter()
+                with call_budget(0.3), pytest.raises(TierUnavailable, match="deadline"):
+                    await connection.run("get", lambda: connection.client.get(b"kvtier:test:hung"))
+                assert 0.25 < time.perf_counter() - t0 < 1.5
+            t0 = time.perf_counter()
+            with call_budget(5.0), request_deadline(0.2), pytest.raises(TierUnavailable):  # the sooner of the two
+                await connection.run("get", lambda: connection.client.get(b"kvtier:test:hung"))
+            assert time.perf_counter() - t0 < 1.5
+        with call_budget(0.0):  # chunk values, read or written, are never cut (the caller sized them)
+            assert await connection.run(GET_CHUNKS, lambda: connection.client.get(b"kvtier:test:hung")) is None
+            assert await connection.run(PUT_CHUNKS, lambda: connection.client.set(b"kvtier:test:hung", b"v", ex=5))
+    finally:
+        await connection.aclose()
+
+
+@pytest.mark.llama
+async def test_a_session_operation_on_a_hung_redis_fails_in_seconds_and_keeps_no_slot(
+        redis_srv: RedisProc, tmp_path: Path) -> None:
+    async with node(tmp_path, redis_srv.url, "a") as (_, a):
+        body = {"prompt": "the cat sat on the mat. " * 40, "n_predict": 2, "id_slot": 0}
+        assert (await post(a.url + "/completion", body, headers={"X-Session-Id": "kept"})).status == 200
+        assert await a.engine.drain(30)
+        assert (await post(a.url + "/v1/sessions/kept", {"slot": 0}, method="PUT")).status == 200
+        with hung(redis_srv):
+            # A restore's manifest read and touch are each given up after REDIS_CALL_S (each
+            # waited up to ~6 s of timeouts and retries before).
+            t0 = time.perf_counter()
+            restored = await post(a.url + "/v1/sessions/kept/restore", {"slot": 1})
+            assert restored.status == 503, restored.text
+            assert time.perf_counter() - t0 < 3 * REDIS_CALL_S + 1.0
+            # A save's writes wait out Redis (they go through the write-behind queue), but the slot
+            # is free once its state is read: a request for it does not wait with them (18 s before).
+            saving = asyncio.create_task(post(a.url + "/v1/sessions/kept", {"slot": 0}, method="PUT"))
+            await asyncio.sleep(0.5)
+            t0 = time.perf_counter()
+            user = await post(a.url + "/completion", {**body, "prompt": body["prompt"] + " again"})
+            assert user.status == 200 and time.perf_counter() - t0 < 3.0, time.perf_counter() - t0
+            assert (await saving).status == 503
+        assert await a.engine.drain(30)
 
 
 async def test_the_write_behind_worker_started_during_a_request_keeps_no_deadline() -> None:

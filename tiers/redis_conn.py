@@ -68,7 +68,7 @@ REQUEST_DEADLINE: ContextVar[float | None] = ContextVar("kvtier_redis_request_de
 # (the sidecar's ``planner.redis_wait_s``, the in-process cache's ``llama_cpp_cache.redis_wait_s``):
 # a healthy server answers a lookup in milliseconds, a loaded one within this.
 REDIS_WAIT_FLOOR_S = 0.1
-# A call given up at a request's deadline after this long feeds the breaker as a failure: a healthy
+# A call given up at its deadline after this long feeds the breaker as a failure: a healthy
 # server, however loaded, answers well within it, and a hung one (paused, failing over, partitioned)
 # is then skipped after a few requests rather than costing each its whole deadline.
 LATE_AS_DOWN_S = 0.5
@@ -76,6 +76,12 @@ LATE_AS_DOWN_S = 0.5
 # their size and learns its fetch rates from. A server that sends them is not hung, and one that
 # hangs has failed the lookup before (a hang that begins during the transfer waits out the timeouts).
 GET_CHUNKS = "get chunks"
+# Writing chunk values: sized by the caller (a session of a long conversation is gigabytes).
+PUT_CHUNKS = "put"
+# How long one call, all its tries together, may wait for the server (None: its timeouts and
+# retries), bulk transfers aside. Set by ``call_budget`` around explicit operations (the sessions
+# API): a hung server then fails one of them in seconds rather than after ~6 s per call.
+CALL_BUDGET: ContextVar[float | None] = ContextVar("kvtier_redis_call_budget", default=None)
 
 
 @contextlib.contextmanager
@@ -89,6 +95,27 @@ def request_deadline(seconds: float) -> Iterator[None]:
         yield
     finally:
         REQUEST_DEADLINE.reset(token)
+
+
+@contextlib.contextmanager
+def call_budget(seconds: float) -> Iterator[None]:
+    """Each Redis call made in the block (by this task and the tasks it starts meanwhile), other
+    than the transfer of chunk values, is given up after ``seconds``, with ``TierUnavailable``."""
+    token = CALL_BUDGET.set(max(0.0, seconds))
+    try:
+        yield
+    finally:
+        CALL_BUDGET.reset(token)
+
+
+def _call_deadline(op: str, now: float) -> float | None:
+    """When a call of ``op`` made now must have been answered: the request's deadline, or the
+    call budget's, whichever comes first (None: no bound)."""
+    until = REQUEST_DEADLINE.get() if op != GET_CHUNKS else None
+    budget = CALL_BUDGET.get() if op not in (GET_CHUNKS, PUT_CHUNKS) else None
+    if budget is not None:
+        until = now + budget if until is None else min(until, now + budget)
+    return until
 
 
 class RedisOptions(TypedDict, total=False):
@@ -216,16 +243,16 @@ class RedisConnection:
         if not self.breaker.allow():
             self._probe_in_background()
             raise TierUnavailable(f"redis: circuit open, {self.url} skipped")
-        until = REQUEST_DEADLINE.get() if op != GET_CHUNKS else None
+        t0 = asyncio.get_running_loop().time()
+        until = _call_deadline(op, t0)
         if until is None:
             return await self._guarded(op, call)
-        t0 = asyncio.get_running_loop().time()
         try:
             async with asyncio.timeout_at(until):
                 return await self._guarded(op, call)
         except TimeoutError:  # the deadline's (the call's own failures come as TierUnavailable)
             self._late(op, asyncio.get_running_loop().time() - t0)
-            raise TierUnavailable(f"redis {op} on {self.url}: no answer by the request's deadline") from None
+            raise TierUnavailable(f"redis {op} on {self.url}: no answer by its deadline") from None
 
     async def _guarded(self, op: str, call: Callable[[], Awaitable[T]]) -> T:
         was_closed = self.breaker.closed
@@ -266,13 +293,13 @@ class RedisConnection:
             log.debug("redis %s on %s failed: %s", op, self.url, exc)
 
     def _late(self, op: str, waited: float) -> None:
-        """A call given up at a request's deadline: counted, and a failure for the breaker when it
-        went unanswered for ``LATE_AS_DOWN_S``."""
+        """A call given up at its deadline (a request's, or its call budget's): counted, and a
+        failure for the breaker when it went unanswered for ``LATE_AS_DOWN_S``."""
         if waited >= LATE_AS_DOWN_S:
-            self._failed(op, TimeoutError(f"no answer in {waited:.2f} s, by the request's deadline"))
+            self._failed(op, TimeoutError(f"no answer in {waited:.2f} s, by its deadline"))
         else:
             self._errors += 1
-            log.info("redis %s on %s: no answer in %.3f s, by the request's deadline", op, self.url, waited)
+            log.info("redis %s on %s: no answer in %.3f s, by its deadline", op, self.url, waited)
 
     def _succeeded(self, was_closed: bool) -> None:
         self.breaker.record_success()

@@ -21,7 +21,7 @@ from .base import StatsCounter, TierRole, TierStats
 from .breaker import BreakerStats, CircuitBreaker
 from .errors import KVTierError, TierUnavailable
 from .redis_bulk import Buffer, BulkLane, Command
-from .redis_conn import GET_CHUNKS, AnyPipeline, RedisConnection, RedisOptions, ttl_seconds
+from .redis_conn import GET_CHUNKS, PUT_CHUNKS, AnyPipeline, RedisConnection, RedisOptions, ttl_seconds
 from .redis_urls import RedisTarget
 
 log = logging.getLogger("kvtier.redis")
@@ -228,7 +228,7 @@ class RedisTier:
                 for key, value in batch:
                     pipe.set(key, value, ex=self.ttl)
             try:
-                results = await self.connection.pipeline("put", fill)
+                results = await self.connection.pipeline(PUT_CHUNKS, fill)
             except KVTierError:
                 break  # counted by the connection; the rest would fail the same way
             for (_, value), ok in zip(batch, results):
@@ -245,7 +245,7 @@ class RedisTier:
         commands: list[Command] = [(b"SET", key, value, *ex) for key, value in items.items()]
         sizes = [memoryview(value).nbytes for value in items.values()]
         try:
-            results = await self.connection.run("put", lambda: lane.execute(commands, sizes=sizes, writes=True))
+            results = await self.connection.run(PUT_CHUNKS, lambda: lane.execute(commands, sizes=sizes, writes=True))
         except KVTierError:
             return 0, 0, 0  # counted by the connection
         ok = [r == b"OK" for r in results]
