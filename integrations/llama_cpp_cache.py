@@ -59,7 +59,7 @@ from llama_cpp.llama_cache import BaseLlamaCache
 from tiers.errors import ConfigError
 from tiers.keys import Namespace, as_token_array, common_prefix
 from tiers.pending import PendingSaves
-from tiers.redis_conn import REDIS_WAIT_FLOOR_S, request_deadline
+from tiers.redis_conn import REDIS_WAIT_FLOOR_S, SESSION_CALL_S, request_deadline, within_call_budget
 from tiers.sessions import Manifest
 from tiers.store import StoreResult, TieredStore
 
@@ -447,8 +447,8 @@ def save_session(llm: Llama, session_id: str, *, cache: KVTierCache | None = Non
     if tokens.size == 0:
         raise ValueError("the context holds no tokens to save")
     state = parse_state(read_seq_image(llm, tokens=tokens))
-    return c.store.call(kvflow.save_session(c.store.sessions, c.namespace, session_id, state, node=c.node_id,
-                                            events=c.store.events), None)
+    return c.store.call(within_call_budget(SESSION_CALL_S, kvflow.save_session(
+        c.store.sessions, c.namespace, session_id, state, node=c.node_id, events=c.store.events)), None)
 
 
 def restore_session(llm: Llama, session_id: str, *, cache: KVTierCache | None = None) -> int:
@@ -462,12 +462,12 @@ def restore_session(llm: Llama, session_id: str, *, cache: KVTierCache | None = 
     """
     c = _cache_of(llm, cache)
     ns, sessions = c.namespace, c.store.sessions
-    image = c.store.call(flows.session_image(sessions, ns, session_id, v_trans=c.info.v_trans,
-                                             n_stream=c.info.n_stream), c.timeout)
+    image = c.store.call(within_call_budget(SESSION_CALL_S, flows.session_image(
+        sessions, ns, session_id, v_trans=c.info.v_trans, n_stream=c.info.n_stream)), c.timeout)
     n = load_seq_image(llm, image.joined())
     c._note_restore(n)
     try:
-        c.store.call(sessions.touch(ns, image.manifest), c.timeout)
+        c.store.call(within_call_budget(SESSION_CALL_S, sessions.touch(ns, image.manifest)), c.timeout)
     except Exception as exc:  # only last_used is lost
         log.debug("touching session %s failed: %s", session_id, exc)
     return n

@@ -9,7 +9,7 @@ most 120 s); then the answer is 409. Session ids never reach the filesystem: slo
 by kvtier.
 
 Each Redis call of a save, restore, show or delete, other than moving chunk values, waits at most
-``REDIS_CALL_S`` (``redis_conn.call_budget``): with Redis hung, an operation fails with 503 in
+``SESSION_CALL_S`` (``redis_conn.call_budget``): with Redis hung, an operation fails with 503 in
 seconds, and a slot it holds is not kept from the requests waiting for it through Redis's
 timeouts and retries.
 """
@@ -25,7 +25,7 @@ import numpy as np
 from aiohttp import web
 
 from tiers.errors import KVTierError, TierUnavailable
-from tiers.redis_conn import call_budget
+from tiers.redis_conn import SESSION_CALL_S, call_budget
 from tiers.sessions import SessionIncomplete, SessionNotFound, validate_session_id
 
 from .appkeys import ENGINE, METRICS
@@ -35,9 +35,6 @@ from .tenants import tenant_salt
 MAX_BODY = 64 * 1024
 DEFAULT_WAIT_S = 10.0
 MAX_WAIT_S = 120.0
-# One Redis call (all its tries) of an operation: a healthy server, even a loaded one, answers a
-# manifest or a lookup well within this; over LATE_AS_DOWN_S, so calls cut here feed the breaker.
-REDIS_CALL_S = 1.0
 
 
 class ApiError(Exception):
@@ -68,12 +65,12 @@ def sessions_errors(handler: Handler) -> Handler:
 
 
 def redis_bounded(handler: Handler) -> Handler:
-    """Each Redis call of the operation waits at most ``REDIS_CALL_S`` (bulk transfers aside). Not
+    """Each Redis call of the operation waits at most ``SESSION_CALL_S`` (bulk transfers aside). Not
     for listing and purging: one of their calls walks the keyspace."""
 
     @functools.wraps(handler)
     async def wrapped(request: web.Request) -> web.StreamResponse:
-        with call_budget(REDIS_CALL_S):
+        with call_budget(SESSION_CALL_S):
             return await handler(request)
 
     return wrapped

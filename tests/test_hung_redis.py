@@ -27,10 +27,9 @@ from typing import Any
 
 import pytest
 
-from integrations.llama_cpp_cache import KVTierCache
+from integrations.llama_cpp_cache import KVTierCache, restore_session, save_session
 from integrations.llama_cpp_state import prefill_seconds
 from sidecar.appkeys import REDIS
-from sidecar.sessions_api import REDIS_CALL_S
 from tests.inprocess import counting_llama
 from tests.servers import RedisProc, smollm2_path
 from tests.sidecars import post
@@ -42,6 +41,7 @@ from tiers.redis_conn import (
     PUT_CHUNKS,
     REDIS_WAIT_FLOOR_S,
     REQUEST_DEADLINE,
+    SESSION_CALL_S,
     RedisConnection,
     call_budget,
     request_deadline,
@@ -136,6 +136,29 @@ def test_an_in_process_completion_waits_for_a_hung_redis_no_longer_than_evaluati
         llm.close()
 
 
+@pytest.mark.llama
+def test_an_in_process_session_restore_on_a_hung_redis_takes_seconds(redis_srv: RedisProc) -> None:
+    llm = counting_llama(smollm2_path())
+    try:
+        with KVTierCache(llm, redis_url=redis_srv.url, chunk_tokens=64) as cache:
+            llm.set_cache(cache)
+            llm.create_completion(new_prompt()["prompt"], max_tokens=2, temperature=0)
+            held = llm.n_tokens
+            save_session(llm, "kept")
+            assert cache.flush(30)
+            llm.reset()
+            with hung(redis_srv):
+                t0 = time.perf_counter()
+                # Its manifest read and touch are each given up after SESSION_CALL_S (12 s before);
+                # this process's memory tier still holds the session.
+                assert restore_session(llm, "kept") == held
+                assert time.perf_counter() - t0 < 3 * SESSION_CALL_S + 1.0
+            llm.set_cache(None)
+    finally:
+        llm.set_cache(None)
+        llm.close()
+
+
 async def test_a_call_is_given_up_at_the_deadline_and_fails_the_breaker_only_when_it_waited_long(
         redis_srv: RedisProc) -> None:
     connection = RedisConnection(redis_srv.url, socket_timeout=5, retries=0)
@@ -193,12 +216,12 @@ async def test_a_session_operation_on_a_hung_redis_fails_in_seconds_and_keeps_no
         assert await a.engine.drain(30)
         assert (await post(a.url + "/v1/sessions/kept", {"slot": 0}, method="PUT")).status == 200
         with hung(redis_srv):
-            # A restore's manifest read and touch are each given up after REDIS_CALL_S (each
+            # A restore's manifest read and touch are each given up after SESSION_CALL_S (each
             # waited up to ~6 s of timeouts and retries before).
             t0 = time.perf_counter()
             restored = await post(a.url + "/v1/sessions/kept/restore", {"slot": 1})
             assert restored.status == 503, restored.text
-            assert time.perf_counter() - t0 < 3 * REDIS_CALL_S + 1.0
+            assert time.perf_counter() - t0 < 3 * SESSION_CALL_S + 1.0
             # A save's writes wait out Redis (they go through the write-behind queue), but the slot
             # is free once its state is read: a request for it does not wait with them (18 s before).
             saving = asyncio.create_task(post(a.url + "/v1/sessions/kept", {"slot": 0}, method="PUT"))

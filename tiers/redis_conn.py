@@ -82,6 +82,10 @@ PUT_CHUNKS = "put"
 # retries), bulk transfers aside. Set by ``call_budget`` around explicit operations (the sessions
 # API): a hung server then fails one of them in seconds rather than after ~6 s per call.
 CALL_BUDGET: ContextVar[float | None] = ContextVar("kvtier_redis_call_budget", default=None)
+# The budget of one call of a session operation (save, restore, show, delete; the sidecar's API and
+# the in-process functions): a healthy server, even a loaded one, answers a manifest or a lookup
+# well within it; over LATE_AS_DOWN_S, so calls cut there feed the breaker.
+SESSION_CALL_S = 1.0
 
 
 @contextlib.contextmanager
@@ -106,6 +110,13 @@ def call_budget(seconds: float) -> Iterator[None]:
         yield
     finally:
         CALL_BUDGET.reset(token)
+
+
+async def within_call_budget(seconds: float, call: Awaitable[T]) -> T:
+    """``call`` awaited in ``call_budget(seconds)``: for coroutines run on another thread's loop,
+    where the caller's context does not reach."""
+    with call_budget(seconds):
+        return await call
 
 
 def _call_deadline(op: str, now: float) -> float | None:
