@@ -3,8 +3,9 @@
     python -m bench overhead                          # 40 rounds per kind, a few minutes
     python -m bench overhead --reps 200 --prompt-tokens 2048
 
-Three llama-servers (``-np 1``, same flags), a kvtier sidecar in front of the first, and an embedded
-Valkey; direct requests go to the second, so the paths never share a slot. Each slot holds a prompt
+Four llama-servers (``-np 1``, same flags), a kvtier sidecar in front of the first, and an embedded
+Valkey; direct requests go to the second, the two bare relays (below) front the third and fourth, so
+the paths never share a slot. Each slot holds a prompt
 of ``--prompt-tokens``; each round adds a new short tail to it (the next question of a
 conversation: nothing to restore, a few new tokens to compute, text the sidecar has not seen), and
 sends the same request straight to llama-server, through the sidecar and through the two bare
@@ -22,8 +23,8 @@ relays (below), in rotating order, ``--reps`` rounds per kind:
 How the sidecar learned the tokens (in-process, by asking llama-server, or not at all for a
 follow-up) is reported per kind, with the mean time it took (``kvtier_prompt_seconds``). The
 ``GET /health`` row is the extra HTTP hop alone: llama-server's health check passed through the
-sidecar untouched, against the same request sent straight to llama-server. A third llama-server
-(same flags) sits behind a bare relay (``bench/barerelay.py``: bytes in, bytes out, on uvloop), a
+sidecar untouched, against the same request sent straight to llama-server. The third llama-server
+sits behind a bare relay (``bench/barerelay.py``: bytes in, bytes out, on uvloop), the
 fourth behind the sidecar's HTTP layer alone (``--aiohttp``: aiohttp, ``Upstream`` and the relay, no
 middleware and no logic), and each round sends the request on all four paths, in rotating order:
 what the bare relay adds is the floor of any Python proxy on this host, what the aiohttp one adds
