@@ -38,7 +38,7 @@ llama.cpp cannot rewind a recurrent state, and the last prompt token is always e
 
 Every cache step is best-effort: a miss, a damaged or foreign chunk, an unreachable Redis or an
 error only means the prompt is evaluated as without a cache. A lookup waits for Redis no longer
-than evaluating the prompt would take (``redis_wait_s``): a server that hangs costs a completion
+than evaluating the prompt would take (``redis_conn.deadline_past``): a server that hangs costs a completion
 a second or so, not its socket timeouts and retries. Nothing read from a store is unpickled:
 values are checked blobs (``tiers.codec``), their payloads raw KV rows.
 """
@@ -59,7 +59,7 @@ from llama_cpp.llama_cache import BaseLlamaCache
 from tiers.errors import ConfigError
 from tiers.keys import Namespace, as_token_array, common_prefix
 from tiers.pending import PendingSaves
-from tiers.redis_conn import REDIS_WAIT_FLOOR_S, SESSION_CALL_S, request_deadline, within_call_budget
+from tiers.redis_conn import SESSION_CALL_S, deadline_past, request_deadline, within_call_budget
 from tiers.sessions import Manifest
 from tiers.store import StoreResult, TieredStore
 
@@ -390,20 +390,13 @@ class KVTierCache(BaseLlamaCache):
 # -- module-level helpers -------------------------------------------------------------------------
 
 
-def redis_wait_s(compute_s: float) -> float:
-    """How long a completion's lookup, fetch and any wait for a save in flight may wait for Redis
-    in all (``redis_conn.request_deadline``), when evaluating the prompt takes ``compute_s``:
-    past that no restore pays, and a hung server's timeouts and retries would cost seconds."""
-    return REDIS_WAIT_FLOOR_S + compute_s
-
-
 def _waits(llm: Llama, save_wait: float, n_tokens: int) -> tuple[float, float]:
     """How long a lookup of a prompt that would evaluate ``n_tokens`` may wait for another node's
     save in flight (``save_wait`` at most, never longer than evaluating it), and for Redis in all
-    (``redis_wait_s``)."""
+    (``redis_conn.deadline_past``)."""
     recompute = prefill_seconds(llm, n_tokens)
     wait = save_wait if recompute is None else min(save_wait, recompute)
-    return wait, redis_wait_s(wait if recompute is None else recompute)
+    return wait, deadline_past(wait if recompute is None else recompute)
 
 
 async def _lookup_and_fetch(store: TieredStore, pending: PendingSaves | None, namespace: Namespace,

@@ -16,7 +16,7 @@ from integrations.pendingflow import PendingSave, Waited, wait_for_pending
 from tiers.base import TierRole
 from tiers.keys import Namespace, common_prefix
 from tiers.pending import PendingSaves
-from tiers.redis_conn import REDIS_WAIT_FLOOR_S
+from tiers.redis_conn import deadline_past
 from tiers.sessions import Manifest, SessionNotFound, SessionStore
 from tiers.store import LookupResult, TieredStore
 
@@ -37,7 +37,7 @@ def redis_wait_s(cost: CostModel, tokens: int, sharing: int = 0) -> float:
     """How long a request that would compute ``tokens`` may wait for Redis, all its lookups and its
     restore together (``redis_conn.request_deadline``; the forwarding check's lookups alike): past
     recomputing them, no restore pays, and a hung server's timeouts and retries would cost seconds."""
-    return REDIS_WAIT_FLOOR_S + cost.recompute_s(max(0, tokens), sharing)
+    return deadline_past(cost.recompute_s(max(0, tokens), sharing))
 
 
 @dataclass(frozen=True, slots=True)

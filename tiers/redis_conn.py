@@ -65,8 +65,7 @@ AnyPipeline = Pipeline | ClusterPipeline
 # as for background work). Set by ``request_deadline`` around a request's lookups and restores.
 REQUEST_DEADLINE: ContextVar[float | None] = ContextVar("kvtier_redis_request_deadline", default=None)
 # Beyond recomputing the prompt, what a request may wait for Redis while it looks up and restores
-# (the sidecar's ``planner.redis_wait_s``, the in-process cache's ``llama_cpp_cache.redis_wait_s``):
-# a healthy server answers a lookup in milliseconds, a loaded one within this.
+# (``deadline_past``): a healthy server answers a lookup in milliseconds, a loaded one within this.
 REDIS_WAIT_FLOOR_S = 0.1
 # A call given up at its deadline after this long feeds the breaker as a failure: a healthy
 # server, however loaded, answers well within it, and a hung one (paused, failing over, partitioned)
@@ -99,6 +98,14 @@ def request_deadline(seconds: float) -> Iterator[None]:
         yield
     finally:
         REQUEST_DEADLINE.reset(token)
+
+
+def deadline_past(compute_s: float) -> float:
+    """The ``request_deadline`` of a request whose prompt computes in ``compute_s`` (the sidecar's
+    cost model, or the in-process context's own rate): all its lookups and its restore together
+    wait for Redis no longer than that, past which no restore pays; a hung server's timeouts and
+    retries would cost seconds."""
+    return REDIS_WAIT_FLOOR_S + max(0.0, compute_s)
 
 
 @contextlib.contextmanager
