@@ -35,9 +35,13 @@ llama-server alone (same flags, its host-memory prompt cache ``--cache-ram`` at 
   main thread's last step, and tokens computed.
 
 Modes: ``alone`` (llama-server), ``kvtier`` (the same flags), ``kvtier-cache-ram-0`` (llama-server's
-prompt cache off, as where tenants share a server); ``alone-cache-ram-0`` on request. Each mode runs
-on fresh nodes (``-np 4``, one llama-server per node; kvtier with an embedded Valkey).
-With a load, one process spins on a core beside the nodes for the whole mode. Writes
+prompt cache off, as where tenants share a server); ``alone-cache-ram-0`` on request. Every mode has
+nodes of its own (``-np 4``, one llama-server per node; a kvtier mode with an embedded Valkey of its
+own), all up together on fresh processes for each load, and the modes take turns: ``--block`` reps
+of a scenario on one mode, then on the next, the order rotating, each block after every sidecar's
+saves have ended. So the machine's drift over a run (these VMs slow down and speed up by 10-20% over
+minutes) falls on every mode alike; run one mode after another, it read as a mode's cost. With a
+load, one process spins on a core beside the nodes for the whole load. Writes
 ``bench/results/neverworse.json``.
 """
 
@@ -46,9 +50,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import multiprocessing
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +63,7 @@ import aiohttp
 from .agents import QUESTIONS, document
 from .common import (
     RESULTS_DIR,
+    Cluster,
     Reply,
     chat,
     client_session,
@@ -70,6 +77,7 @@ from .common import (
     redis_or_given,
     scrape,
     tokenize,
+    wait_idle,
     write_json,
 )
 
@@ -113,74 +121,78 @@ def cpu_load(on: bool) -> Iterator[None]:
         proc.join(5)
 
 
-async def repeat_at_once(s: aiohttp.ClientSession, url: str, prefix: int, reps: int) -> list[dict[str, Any]]:
-    rows = []
-    for r in range(reps):
-        messages = [{"role": "system", "content": "Answer from these records. " + document(prefix, 70 + r)},
-                    {"role": "user", "content": QUESTIONS[r % len(QUESTIONS)]}]
-        first = await chat(s, url, messages, 16)
-        again = await chat(s, url, messages, 16)  # the moment the first answer ended
-        rows.append({"rep": r, "first_ttft_ms": first.ttft_ms, "repeat_ttft_ms": again.ttft_ms,
-                     "repeat_computed": again.recomputed_tokens, "prompt_tokens": again.prompt_tokens})
-    return rows
+@dataclass
+class Rig:
+    """One mode's nodes, up for a whole load: two of ``-np --slots`` (``single``: one of one slot,
+    for ``other_at_once``) and, in a kvtier mode, their sidecars."""
+
+    cluster: Cluster
+    single: Cluster | None
+
+    def url(self, i: int) -> str:
+        return self.cluster.url(i)
+
+    @property
+    def sidecars(self) -> list[str]:
+        """Every sidecar of the mode (none alone)."""
+        return [n.sidecar_url for c in (self.cluster, self.single) if c is not None and c.sidecar for n in c.nodes]
 
 
-async def sibling_at_once(s: aiohttp.ClientSession, url: str, prefix: int, reps: int) -> list[dict[str, Any]]:
-    rows = []
-    for r in range(reps):
-        doc = "Answer from these records. " + document(prefix, 110 + r)
-        first = await complete(s, url, f"{doc}\nQuestion: {QUESTIONS[r % len(QUESTIONS)]}\nAnswer:", 8)
-        other = QUESTIONS[(r + 1) % len(QUESTIONS)]
-        sibling = await complete(s, url, f"{doc}\nQuestion: {other}\nAnswer:", 8)  # the moment the first ended
-        rows.append({"rep": r, "first_ttft_ms": first.ttft_ms, "sibling_ttft_ms": sibling.ttft_ms,
-                     "sibling_computed": sibling.recomputed_tokens, "prompt_tokens": sibling.prompt_tokens})
-        await asyncio.sleep(1.0)  # the next rep's text starts apart, after this one's saves
-    return rows
+async def repeat_at_once(s: aiohttp.ClientSession, rig: Rig, a: argparse.Namespace, r: int) -> list[dict[str, Any]]:
+    messages = [{"role": "system", "content": "Answer from these records. " + document(a.prefix, 70 + r)},
+                {"role": "user", "content": QUESTIONS[r % len(QUESTIONS)]}]
+    first = await chat(s, rig.url(0), messages, 16)
+    again = await chat(s, rig.url(0), messages, 16)  # the moment the first answer ended
+    return [{"rep": r, "first_ttft_ms": first.ttft_ms, "repeat_ttft_ms": again.ttft_ms,
+             "repeat_computed": again.recomputed_tokens, "prompt_tokens": again.prompt_tokens}]
 
 
-async def other_at_once(s: aiohttp.ClientSession, url: str, prefix: int, reps: int) -> list[dict[str, Any]]:
-    rows = []
-    for r in range(reps):
-        question = QUESTIONS[r % len(QUESTIONS)]
-        first = f"Answer from these records. {document(prefix, 150 + r)}\nQuestion: {question}\nAnswer:"
-        turn1 = await complete(s, url, first, 8)
-        await asyncio.sleep(3.0)  # its save ends (kvtier): the tiers hold the first turn
-        second = f"{first}{turn1.content}\nQuestion: {QUESTIONS[(r + 1) % len(QUESTIONS)]}\nAnswer:"
-        turn2 = await complete(s, url, second, 8)
-        other = await complete(s, url, f"Note {r}. {document(OTHER_TOKENS, 950 + r)}\nSummary:", 8)  # at once
-        back = await complete(s, url, second, 8)  # the second turn returns
-        rows.append({"rep": r, "turn2_ttft_ms": turn2.ttft_ms, "other_ttft_ms": other.ttft_ms,
-                     "other_computed": other.recomputed_tokens, "return_ttft_ms": back.ttft_ms,
-                     "return_computed": back.recomputed_tokens, "prompt_tokens": back.prompt_tokens})
-        await asyncio.sleep(3.0)
-    return rows
+async def sibling_at_once(s: aiohttp.ClientSession, rig: Rig, a: argparse.Namespace, r: int) -> list[dict[str, Any]]:
+    doc = "Answer from these records. " + document(a.prefix, 110 + r)
+    first = await complete(s, rig.url(0), f"{doc}\nQuestion: {QUESTIONS[r % len(QUESTIONS)]}\nAnswer:", 8)
+    other = QUESTIONS[(r + 1) % len(QUESTIONS)]
+    sibling = await complete(s, rig.url(0), f"{doc}\nQuestion: {other}\nAnswer:", 8)  # the moment the first ended
+    await asyncio.sleep(1.0)  # the next rep's text starts apart, after this one's saves
+    return [{"rep": r, "first_ttft_ms": first.ttft_ms, "sibling_ttft_ms": sibling.ttft_ms,
+             "sibling_computed": sibling.recomputed_tokens, "prompt_tokens": sibling.prompt_tokens}]
 
 
-async def beside_save(s: aiohttp.ClientSession, url: str, prefix: int, reps: int) -> list[dict[str, Any]]:
-    rows = []
-    for r in range(reps):
-        doc = f"Answer from these records. {document(prefix, 170 + r)}\nQuestion: {QUESTIONS[r % len(QUESTIONS)]}\nAnswer:"
-        first = await complete(s, url, doc, 8)
-        other = await complete(s, url, f"Note {r}. {document(BESIDE_TOKENS, 990 + r)}\nSummary:", BESIDE_ANSWER)
-        rows.append({"rep": r, "first_ttft_ms": first.ttft_ms, "other_ttft_ms": other.ttft_ms,
-                     "other_total_ms": other.total_ms, "other_computed": other.recomputed_tokens,
-                     "first_prompt_tokens": first.prompt_tokens})
-        await asyncio.sleep(6.0)  # the first turn's save ends (kvtier: after the other answer) before the next rep
-    return rows
+async def other_at_once(s: aiohttp.ClientSession, rig: Rig, a: argparse.Namespace, r: int) -> list[dict[str, Any]]:
+    assert rig.single is not None
+    url = rig.single.url(0)
+    question = QUESTIONS[r % len(QUESTIONS)]
+    first = f"Answer from these records. {document(a.prefix, 150 + r)}\nQuestion: {question}\nAnswer:"
+    turn1 = await complete(s, url, first, 8)
+    await asyncio.sleep(3.0)  # its save ends (kvtier): the tiers hold the first turn
+    second = f"{first}{turn1.content}\nQuestion: {QUESTIONS[(r + 1) % len(QUESTIONS)]}\nAnswer:"
+    turn2 = await complete(s, url, second, 8)
+    other = await complete(s, url, f"Note {r}. {document(OTHER_TOKENS, 950 + r)}\nSummary:", 8)  # at once
+    back = await complete(s, url, second, 8)  # the second turn returns
+    await asyncio.sleep(3.0)
+    return [{"rep": r, "turn2_ttft_ms": turn2.ttft_ms, "other_ttft_ms": other.ttft_ms,
+             "other_computed": other.recomputed_tokens, "return_ttft_ms": back.ttft_ms,
+             "return_computed": back.recomputed_tokens, "prompt_tokens": back.prompt_tokens}]
 
 
-async def due_together(s: aiohttp.ClientSession, url: str, prefix: int, reps: int) -> list[dict[str, Any]]:
-    rows = []
-    for r in range(reps):
-        docs = [f"Answer from these records. {document(prefix // 2, 210 + 2 * r + i)}\nQuestion: "
-                f"{QUESTIONS[(r + i) % len(QUESTIONS)]}\nAnswer:" for i in (0, 1)]
-        firsts = [await complete(s, url, doc, 8) for doc in docs]  # the second the moment the first ended
-        await asyncio.sleep(DUE_AFTER_S)
-        other = await complete(s, url, f"Note {r}. {document(BESIDE_TOKENS, 1010 + r)}\nSummary:", BESIDE_ANSWER)
-        rows.append({"rep": r, "first_ttft_ms": [f.ttft_ms for f in firsts], "other_ttft_ms": other.ttft_ms,
-                     "other_total_ms": other.total_ms, "other_computed": other.recomputed_tokens})
-        await asyncio.sleep(6.0)  # the first turns' saves end before the next rep
-    return rows
+async def beside_save(s: aiohttp.ClientSession, rig: Rig, a: argparse.Namespace, r: int) -> list[dict[str, Any]]:
+    doc = f"Answer from these records. {document(a.prefix, 170 + r)}\nQuestion: {QUESTIONS[r % len(QUESTIONS)]}\nAnswer:"
+    first = await complete(s, rig.url(0), doc, 8)
+    other = await complete(s, rig.url(0), f"Note {r}. {document(BESIDE_TOKENS, 990 + r)}\nSummary:", BESIDE_ANSWER)
+    await asyncio.sleep(6.0)  # the first turn's save ends (kvtier: after the other answer) before the next rep
+    return [{"rep": r, "first_ttft_ms": first.ttft_ms, "other_ttft_ms": other.ttft_ms,
+             "other_total_ms": other.total_ms, "other_computed": other.recomputed_tokens,
+             "first_prompt_tokens": first.prompt_tokens}]
+
+
+async def due_together(s: aiohttp.ClientSession, rig: Rig, a: argparse.Namespace, r: int) -> list[dict[str, Any]]:
+    docs = [f"Answer from these records. {document(a.prefix // 2, 210 + 2 * r + i)}\nQuestion: "
+            f"{QUESTIONS[(r + i) % len(QUESTIONS)]}\nAnswer:" for i in (0, 1)]
+    firsts = [await complete(s, rig.url(0), doc, 8) for doc in docs]  # the second the moment the first ended
+    await asyncio.sleep(DUE_AFTER_S)
+    other = await complete(s, rig.url(0), f"Note {r}. {document(BESIDE_TOKENS, 1010 + r)}\nSummary:", BESIDE_ANSWER)
+    await asyncio.sleep(6.0)  # the first turns' saves end before the next rep
+    return [{"rep": r, "first_ttft_ms": [f.ttft_ms for f in firsts], "other_ttft_ms": other.ttft_ms,
+             "other_total_ms": other.total_ms, "other_computed": other.recomputed_tokens}]
 
 
 async def _aborted(s: aiohttp.ClientSession, url: str, prompt: str, after: int) -> int:
@@ -198,21 +210,20 @@ async def _aborted(s: aiohttp.ClientSession, url: str, prompt: str, after: int) 
     return seen
 
 
-async def abort_reprompt(s: aiohttp.ClientSession, urls: list[str], llama_url: str, prefix: int, reps: int,
-                         after: int) -> list[dict[str, Any]]:
+async def abort_reprompt(s: aiohttp.ClientSession, rig: Rig, a: argparse.Namespace, r: int) -> list[dict[str, Any]]:
     rows = []
-    for r in range(reps):
-        doc = "Answer from these records. " + document(prefix, 90 + r)
+    llama_url = rig.cluster.llama_url(0)
+    doc = "Answer from these records. " + document(a.prefix, 90 + r)
+    prefix_tokens = len(await tokenize(s, llama_url, doc))
+    for where, url in (("same node", rig.url(0)), ("other node", rig.url(1))):
+        await _aborted(s, rig.url(0), f"{doc}\nQuestion: {QUESTIONS[0]}\nAnswer:", a.abort_after)
+        await asyncio.sleep(0.2)  # the client's next request, a moment later
+        again: Reply = await complete(s, url, f"{doc}\nQuestion: {QUESTIONS[r % 7 + 1]}\nAnswer:", 8)
+        reused = again.prompt_tokens - again.recomputed_tokens
+        rows.append({"rep": r, "where": where, "prefix_tokens": prefix_tokens, "reused_tokens": reused,
+                     "reused_share": round(min(1.0, reused / prefix_tokens), 3), "ttft_ms": again.ttft_ms})
+        doc += " " + str(r)  # the other node's round starts a fresh prefix
         prefix_tokens = len(await tokenize(s, llama_url, doc))
-        for where, url in (("same node", urls[0]), ("other node", urls[1 % len(urls)])):
-            await _aborted(s, urls[0], f"{doc}\nQuestion: {QUESTIONS[0]}\nAnswer:", after)
-            await asyncio.sleep(0.2)  # the client's next request, a moment later
-            again: Reply = await complete(s, url, f"{doc}\nQuestion: {QUESTIONS[r % 7 + 1]}\nAnswer:", 8)
-            reused = again.prompt_tokens - again.recomputed_tokens
-            rows.append({"rep": r, "where": where, "prefix_tokens": prefix_tokens, "reused_tokens": reused,
-                         "reused_share": round(min(1.0, reused / prefix_tokens), 3), "ttft_ms": again.ttft_ms})
-            doc += " " + str(r)  # the other node's round starts a fresh prefix
-            prefix_tokens = len(await tokenize(s, llama_url, doc))
     return rows
 
 
@@ -240,48 +251,57 @@ async def _agent(s: aiohttp.ClientSession, url: str, a: int, main_tokens: int, s
             "finalize_computed": final.recomputed_tokens, "finalize_prompt_tokens": final.prompt_tokens}
 
 
-async def agent_subagents(s: aiohttp.ClientSession, url: str, main_tokens: int, sub_tokens: int,
-                          rounds: int = 1) -> list[dict[str, Any]]:
-    """``rounds`` rounds one after the other, each of three agents at once with new documents (the
-    slots and llama-server's prompt cache still hold the rounds before)."""
+async def agent_subagents(s: aiohttp.ClientSession, rig: Rig, a: argparse.Namespace, r: int) -> list[dict[str, Any]]:
+    """Round ``r``: three agents at once with new documents (the slots and llama-server's prompt cache
+    still hold the rounds before), on the second node."""
     gate = asyncio.Semaphore(4)
-    out: list[dict[str, Any]] = []
-    for r in range(rounds):
-        agents = await asyncio.gather(*(_agent(s, url, 3 * r + a, main_tokens, sub_tokens, gate) for a in range(3)))
-        out += [{**x, "round": r} for x in agents]
-    return out
+    agents = await asyncio.gather(*(_agent(s, rig.url(1), 3 * r + i, a.main_tokens, a.sub_tokens, gate)
+                                    for i in range(3)))
+    return [{**x, "round": r} for x in agents]
 
 
-async def run_mode(a: argparse.Namespace, mode: str, redis_url: str) -> dict[str, Any]:
-    sidecar = mode.startswith("kvtier")
-    await redis_flush(redis_url)
-    out: dict[str, Any] = {}
-    single_figures: list[dict[str, float]] = []
-    with cluster(2, llama_args(a.ctx, a.threads, a.slots, mode), sidecar=sidecar,
-                 redis_url=redis_url if sidecar else None, model=a.model) as cl:
-        async with client_session() as s:
-            urls = [cl.url(0), cl.url(1)]
-            if "repeat_at_once" in a.scenarios:
-                out["repeat_at_once"] = await repeat_at_once(s, urls[0], a.prefix, a.reps)
-            if "abort_reprompt" in a.scenarios:
-                out["abort_reprompt"] = await abort_reprompt(s, urls, cl.llama_url(0), a.prefix, a.reps, a.abort_after)
-            if "sibling_at_once" in a.scenarios:
-                out["sibling_at_once"] = await sibling_at_once(s, urls[0], a.prefix, a.reps)
-            if "other_at_once" in a.scenarios:  # on a node of one slot: every slot taken
-                with cluster(1, llama_args(a.ctx, a.threads, 1, mode), sidecar=sidecar,
-                             redis_url=redis_url if sidecar else None, model=a.model) as single:
-                    out["other_at_once"] = await other_at_once(s, single.url(0), a.prefix, a.reps)
-                    single_figures = [await sidecar_figures(s, single.nodes[0].sidecar_url)] if sidecar else []
-            if "beside_save" in a.scenarios:
-                out["beside_save"] = await beside_save(s, urls[0], a.prefix, a.reps)
-            if "due_together" in a.scenarios:
-                out["due_together"] = await due_together(s, urls[0], a.prefix, a.reps)
-            if "agent_subagents" in a.scenarios:
-                out["agent_subagents"] = await agent_subagents(s, urls[1], a.main_tokens, a.sub_tokens, a.agent_rounds)
-            if sidecar:  # what each sidecar did before forwarding: its own time, and identity checks waited for
-                out["sidecars"] = [await sidecar_figures(s, node.sidecar_url) for node in cl.nodes]
-                if "other_at_once" in a.scenarios:  # and the one-slot node's
-                    out["sidecars"] += single_figures
+Rep = Callable[[aiohttp.ClientSession, Rig, argparse.Namespace, int], Awaitable[list[dict[str, Any]]]]
+REPS: dict[str, Rep] = {"repeat_at_once": repeat_at_once, "abort_reprompt": abort_reprompt,
+                        "sibling_at_once": sibling_at_once, "other_at_once": other_at_once, "beside_save": beside_save,
+                        "due_together": due_together, "agent_subagents": agent_subagents}
+
+
+@contextlib.contextmanager
+def rigs(a: argparse.Namespace, redis_urls: dict[str, str]) -> Iterator[dict[str, Rig]]:
+    """Every mode's nodes on fresh processes, up together (each kvtier mode on its own Redis)."""
+    with contextlib.ExitStack() as stack:
+        out = {}
+        for mode in a.modes:
+            nodes = functools.partial(cluster, sidecar=mode.startswith("kvtier"), redis_url=redis_urls.get(mode),
+                                      model=a.model)
+            main = stack.enter_context(nodes(2, llama_args(a.ctx, a.threads, a.slots, mode)))
+            single = (stack.enter_context(nodes(1, llama_args(a.ctx, a.threads, 1, mode)))
+                      if "other_at_once" in a.scenarios else None)
+            out[mode] = Rig(main, single)
+        yield out
+
+
+async def run_load(a: argparse.Namespace, by_mode: dict[str, Rig]) -> dict[str, dict[str, Any]]:
+    """Each scenario's reps in blocks of ``--block`` (agent rounds one at a time), each block run on
+    every mode in turn, the order rotating from block to block, so that a drift of the machine's
+    speed over the run falls on every mode alike. Before each block every sidecar has finished its
+    saves: no mode's work after its block runs beside another mode's block."""
+    out: dict[str, dict[str, Any]] = {mode: {} for mode in by_mode}
+    every_sidecar = [u for rig in by_mode.values() for u in rig.sidecars]
+    async with client_session() as s:
+        for name in a.scenarios:
+            reps = a.agent_rounds if name == "agent_subagents" else a.reps
+            size = 1 if name == "agent_subagents" else a.block
+            for b, first in enumerate(range(0, reps, size)):
+                for mode in a.modes[b % len(a.modes):] + a.modes[:b % len(a.modes)]:
+                    if every_sidecar:
+                        await wait_idle(s, every_sidecar)
+                    for r in range(first, min(reps, first + size)):
+                        rows = await REPS[name](s, by_mode[mode], a, r)
+                        out[mode].setdefault(name, []).extend({**row, "after_idle": r == first} for row in rows)
+        for mode, rig in by_mode.items():  # what each sidecar did before forwarding, over every scenario
+            if rig.sidecars:
+                out[mode]["sidecars"] = [await sidecar_figures(s, url) for url in rig.sidecars]
     return out
 
 
@@ -341,13 +361,24 @@ def summarize(results: dict[str, dict[str, Any]]) -> list[list[Any]]:
     return rows
 
 
+def versus_alone(rows: list[list[Any]]) -> list[list[Any]]:
+    """Each mode's figure over llama-server alone's in the same load (its p50 over alone's p50)."""
+    alone = {(r[0], r[1], r[3]): r[4] for r in rows if r[2] == "alone" and isinstance(r[4], int | float)}
+    out = []
+    for load, scenario, mode, figure, value, _ in rows:
+        base = alone.get((load, scenario, figure))
+        if mode != "alone" and base and isinstance(value, int | float) and "reused" not in figure:
+            out.append([load, scenario, mode, figure, round(value / base, 2)])
+    return out
+
+
 def md_neverworse(data: dict[str, Any], md_table: Any) -> str:
     """The section of docs/benchmarks.md for a result file of this benchmark."""
     st = data["settings"]
     head = (f"\n### `python -m bench neverworse`\n\nllama-server `-np {st['slots']} -c {st['ctx']} -t {st['threads']}` "
             f"(its `--cache-ram` at the default, 8 GiB, but in mode *kvtier-cache-ram-0*), "
             f"{Path(st['model']).name if st.get('model') else 'SmolLM2'}, 2 nodes, kvtier on an "
-            f"embedded Valkey; {st['reps']} reps; *loaded*: one process spinning on a core beside the nodes. "
+            f"embedded Valkey; {st['reps']} reps{_interleaved(st)}; *loaded*: one process spinning on a core beside the nodes. "
             f"`repeat_at_once`: a chat of ~{st['prefix']} tokens sent again the moment its answer ends; "
             f"`abort_reprompt`: a stream left after {st['abort_after']} tokens, then the same prefix with a new "
             f"question, on the same node and on the other; `sibling_at_once`: a question on a ~{st['prefix']}-"
@@ -362,7 +393,16 @@ def md_neverworse(data: dict[str, Any], md_table: Any) -> str:
             f"then a short finalize on the main thread, at most four requests at once. Medians; "
             f"{data.get('minutes', '?')} minutes.\n\n")
     rows = [[r["load"], r["scenario"], r["mode"], r["figure"], r["value"], r["computed"]] for r in data["table"]]
-    return head + md_table(["load", "scenario", "mode", "figure", "value", "tokens computed (p50)"], rows) + "\n"
+    md = head + md_table(["load", "scenario", "mode", "figure", "value", "tokens computed (p50)"], rows) + "\n"
+    if ratios := versus_alone(rows):
+        md += "\n" + md_table(["load", "scenario", "mode", "figure", "x alone (p50 over p50)"], ratios) + "\n"
+    return md
+
+
+def _interleaved(settings: dict[str, Any]) -> str:
+    if "block" not in settings:  # a result file from before the modes took turns
+        return ", one mode after another"
+    return f", the modes taking turns in blocks of {settings['block']} reps (agents: a round) with all nodes up"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -374,6 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ctx", type=int, default=16384, help="llama-server -c (shared by its slots)")
     p.add_argument("--prefix", type=int, default=1500, help="tokens of the repeated and the aborted prefix")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--block", type=int, default=2, help="reps run back to back on one mode before the next mode's "
+                                                        "turn (modes take turns, all nodes up together)")
     p.add_argument("--model", help="GGUF for every node (default SmolLM2; a generated 8B-shaped model shows "
                                    "what a save's write costs at real KV sizes)")
     p.add_argument("--abort-after", type=int, default=64)
@@ -389,17 +431,25 @@ def main(argv: list[str] | None = None) -> int:
     a.modes = [x for x in a.modes.split(",") if x]
     if bad := [x for x in a.scenarios if x not in SCENARIOS] + [x for x in a.modes if x not in MODES + OTHER_MODES]:
         p.error(f"unknown scenarios or modes {bad}")
+    if a.redis_url and sum(m.startswith("kvtier") for m in a.modes) > 1:
+        p.error("--redis-url serves one kvtier mode (each needs a Redis of its own): pick one with --modes")
     results: dict[str, dict[str, Any]] = {}
     started = time.time()
-    with redis_or_given(a.redis_url) as redis_url:
-        for load in ("quiet",) if a.no_load else ("quiet", "loaded"):
-            for mode in a.modes:
-                console.print(f"neverworse: {load}, {mode}")
-                with cpu_load(load == "loaded"):
-                    results[f"{load}/{mode}"] = asyncio.run(run_mode(a, mode, redis_url))
+    for load in ("quiet",) if a.no_load else ("quiet", "loaded"):
+        console.print(f"neverworse: {load}, modes {', '.join(a.modes)} interleaved")
+        with contextlib.ExitStack() as stack:
+            redis_urls = {m: stack.enter_context(redis_or_given(a.redis_url)) for m in a.modes if m.startswith("kvtier")}
+            for url in redis_urls.values():
+                asyncio.run(redis_flush(url))
+            by_mode = stack.enter_context(rigs(a, redis_urls))
+            stack.enter_context(cpu_load(load == "loaded"))
+            for mode, out in asyncio.run(run_load(a, by_mode)).items():
+                results[f"{load}/{mode}"] = out
     rows = summarize(results)
     print_table("Never worse than llama-server alone (same flags, default --cache-ram)",
                 ["load", "scenario", "mode", "figure", "value", "tokens computed (p50)"], rows)
+    print_table("Over llama-server alone (p50 over p50, same load, modes interleaved)",
+                ["load", "scenario", "mode", "figure", "x alone"], versus_alone(rows))
     console.print("tokens computed: of the repeat; of the prefix (abort_reprompt); of the sibling; of the other "
                   "conversation and of the return (other_at_once); of the new conversation (beside_save, due_together); "
                   "of the finalize")

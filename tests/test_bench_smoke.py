@@ -223,9 +223,24 @@ def test_neverworse_rows_and_their_section() -> None:
     assert "1 round(s) of three agents" in md  # a result file from before --agent-rounds
     assert "`-np 4 -c 16384 -t 2`" in md
     assert "SmolLM2, 2 nodes" in md  # no --model given
-    md = neverworse.md_neverworse({"settings": {**settings, "model": "/models/kvtier-random-l32.gguf"}, "table": table},
-                                  report.md_table)
+    assert ", one mode after another;" in md  # a result file from before the modes took turns
+    assert "x alone" not in md  # no mode ran alone in the load of kvtier-cache-ram-0
+    md = neverworse.md_neverworse({"settings": {**settings, "model": "/models/kvtier-random-l32.gguf", "block": 2},
+                                   "table": table}, report.md_table)
     assert "kvtier-random-l32.gguf, 2 nodes" in md
+    assert "taking turns in blocks of 2 reps" in md
+
+
+def test_neverworse_compares_each_mode_with_alone_in_the_same_load() -> None:
+    rows = [["quiet", "repeat_at_once", "alone", "repeat TTFT ms (p50)", 20.0, 1],
+            ["quiet", "repeat_at_once", "kvtier", "repeat TTFT ms (p50)", 23.0, 1],
+            ["loaded", "repeat_at_once", "alone", "repeat TTFT ms (p50)", 100.0, 1],
+            ["loaded", "repeat_at_once", "kvtier", "repeat TTFT ms (p50)", 90.0, 1],
+            ["quiet", "abort_reprompt (other node)", "alone", "prefix reused (p50)", 0, 1366],
+            ["quiet", "abort_reprompt (other node)", "kvtier", "prefix reused (p50)", 0.99, 8],
+            ["quiet", "all", "kvtier", "identity checks requests waited for: count; ms in all", "0; 0", None]]
+    assert neverworse.versus_alone(rows) == [["quiet", "repeat_at_once", "kvtier", "repeat TTFT ms (p50)", 1.15],
+                                             ["loaded", "repeat_at_once", "kvtier", "repeat TTFT ms (p50)", 0.9]]
 
 
 def test_chatsteps_rows_leave_the_first_step_out_and_compare_with_alone() -> None:
