@@ -7,6 +7,7 @@ transports differ. Real llama-server exchanges go through it in every sidecar te
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -260,6 +261,58 @@ def test_a_connection_closed_after_its_answer_is_replaced_before_the_next_reques
         upstream.connect = connect  # type: ignore[method-assign]
 
     assert run(loop, [chunked(b"x"), chunked(b"y")], body, close_after=True).connections >= 2
+
+
+def test_once_the_server_closes_after_streams_the_next_connection_opens_as_a_stream_ends(loop: str) -> None:
+    # The server closes each connection a while after a chunked answer, as llama-server does (at
+    # once there). Once the client saw it, it opens the next connection as a stream begins, and the
+    # next request goes there, never on the connection about to close.
+    opened: list[int] = []
+    seen: list[int] = []  # per request answered, the connection it came on
+    wasted: list[int] = []  # connections a request was written on after their answer, never read
+    open_at_end: list[int] = []  # connections opened when each answer's last chunk was sent
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        n = len(opened) + 1
+        opened.append(n)
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0]))
+            seen.append(n)
+            *start, end = chunked(b"data: %d\n\n" % n)
+            writer.write(b"".join(start))
+            await writer.drain()
+            await asyncio.sleep(0.05)  # computing
+            open_at_end.append(len(opened))
+            writer.write(end)
+            await writer.drain()
+            await asyncio.sleep(0.3)
+            with contextlib.suppress(TimeoutError):
+                if await asyncio.wait_for(reader.read(1 << 16), 0.01):
+                    wasted.append(n)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        upstream = Upstream(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}")
+        try:
+            assert (await post(upstream))[1] == b"data: 1\n\n"
+            assert not upstream.closes_streams  # not known before a close is seen
+            await until(lambda: upstream.closes_streams and len(opened) == 2, "the close seen, and replaced")
+            for n in (2, 3):  # sent the moment the answer before ended
+                assert (await post(upstream))[1] == b"data: %d\n\n" % n
+            await asyncio.sleep(0.4)  # each connection answered on was closed by now
+            assert seen == [1, 2, 3] and wasted == [] and len(opened) == 4
+            assert open_at_end == [1, 3, 4]  # from the second stream on, the next one opened as it began
+        finally:
+            upstream.close()
+            server.close()
+
+    with asyncio.Runner(loop_factory=LOOPS[loop]) as runner:
+        runner.run(asyncio.wait_for(main(), 10))
 
 
 def test_a_connection_closed_for_idling_is_not_replaced(loop: str, monkeypatch: pytest.MonkeyPatch) -> None:
