@@ -11,8 +11,8 @@ Why kvtier has its own client rather than aiohttp's, for this one job:
   generation.
 - No handshake on a request's path after a streamed answer (llama-server then closes the connection):
   one ending within ``REFILL_S`` of its answer, none idle beside it, is replaced (``_refill``),
-  and once the server was seen to close one after a chunked answer, the replacement is opened as
-  the next one's last chunk comes in (``_streamed``), and the old one is closed on our side.
+  and once the server was seen to close one after a chunked answer, the next stream's replacement
+  is opened as that stream begins (``_streamed``), and its own connection is closed on our side.
 - A witness of the process: a connection of its own, kept open to llama-server, which dies with the
   process behind it (``sidecar.http.witness``). This client opens it (``connect``) and asks
   ``/health`` on it (``health_on``), outside the pool.
@@ -283,6 +283,7 @@ class Connection(asyncio.Protocol):
 
 # Body states
 _HEAD, _LENGTH, _SIZE, _DATA, _DATA_END, _TRAILERS, _UNTIL_CLOSE, _DONE = range(8)
+_FRAMING_STATE = {"none": _DONE, "length": _LENGTH, "chunked": _SIZE, "close": _UNTIL_CLOSE}  # ``Head.framing``
 
 
 def _find(buf: bytearray, sep: bytes, limit: int, what: str) -> int:
@@ -416,7 +417,7 @@ class UpstreamResponse:
         self.chunked = found.framing == "chunked"
         if self.chunked:
             self._upstream._streamed()
-        self._state = {"none": _DONE, "length": _LENGTH, "chunked": _SIZE, "close": _UNTIL_CLOSE}[found.framing]
+        self._state = _FRAMING_STATE[found.framing]
 
     def _emit(self, piece: bytes) -> None:
         if not piece:
