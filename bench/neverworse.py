@@ -40,9 +40,10 @@ nodes of its own (``-np 4``, one llama-server per node; a kvtier mode with an em
 own), all up together on fresh processes for each load, and the modes take turns: ``--block`` reps
 of a scenario on one mode, then on the next, the order rotating, each block after every sidecar's
 saves have ended. So the machine's drift over a run (these VMs slow down and speed up by 10-20% over
-minutes) falls on every mode alike; run one mode after another, it read as a mode's cost. With a
-load, one process spins on a core beside the nodes for the whole load. Writes
-``bench/results/neverworse.json``.
+minutes) falls on every mode alike; run one mode after another, it read as a mode's cost. All
+modes' llama-servers take memory at once (two per mode, three with ``other_at_once``): with a
+``--model`` of large KV, give fewer ``--modes``. With a load, one process spins on a core beside the
+nodes for the whole load. Writes ``bench/results/neverworse.json`` at the end.
 """
 
 from __future__ import annotations
