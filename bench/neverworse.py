@@ -43,7 +43,7 @@ saves have ended. So the machine's drift over a run (these VMs slow down and spe
 minutes) falls on every mode alike; run one mode after another, it read as a mode's cost. All
 modes' llama-servers take memory at once (two per mode, three with ``other_at_once``): with a
 ``--model`` of large KV, give fewer ``--modes``. With a load, one process spins on a core beside the
-nodes for the whole load. Writes ``bench/results/neverworse.json`` at the end.
+nodes for the whole load. Writes ``bench/results/neverworse.json`` after each load.
 """
 
 from __future__ import annotations
@@ -446,7 +446,8 @@ def main(argv: list[str] | None = None) -> int:
             stack.enter_context(cpu_load(load == "loaded"))
             for mode, out in asyncio.run(run_load(a, by_mode)).items():
                 results[f"{load}/{mode}"] = out
-    rows = summarize(results)
+        rows = summarize(results)
+        _write(a, results, rows, started)  # after each load: a run cut short keeps what it measured
     print_table("Never worse than llama-server alone (same flags, default --cache-ram)",
                 ["load", "scenario", "mode", "figure", "value", "tokens computed (p50)"], rows)
     print_table("Over llama-server alone (p50 over p50, same load, modes interleaved)",
@@ -454,11 +455,14 @@ def main(argv: list[str] | None = None) -> int:
     console.print("tokens computed: of the repeat; of the prefix (abort_reprompt); of the sibling; of the other "
                   "conversation and of the return (other_at_once); of the new conversation (beside_save, due_together); "
                   "of the finalize")
+    return 0
+
+
+def _write(a: argparse.Namespace, results: dict[str, dict[str, Any]], rows: list[list[Any]], started: float) -> None:
     write_json(a.json, {"benchmark": "neverworse", "settings": {k: v for k, v in vars(a).items() if k != "json"},
                         "minutes": round((time.time() - started) / 60, 1), "results": results,
                         "table": [dict(zip(["load", "scenario", "mode", "figure", "value", "computed"], r, strict=True))
                                   for r in rows]})
-    return 0
 
 
 if __name__ == "__main__":
