@@ -165,13 +165,14 @@ class Upstream:
             self._open_spare()
 
     def _streamed(self) -> None:
-        """A chunked answer begins or ends. llama-server closes the connection after each (its
-        stream's content provider reports the end as a failure), and a client's next request comes
-        as soon as it reads the end. Once the server was seen to do so, the next connection is opened
-        as the stream begins (while llama-server computes) and, if that one idled out, as it ends.
-        Repeats of a prompt sent the moment their answer ended waited 1.2-1.7 ms in 2 of 6 for a
-        connection opened at the close, and 0.3-0.6 ms in 5 of 6 for one opened at the end (quiet,
-        2 cores: the sidecar's loop finishes the answer first)."""
+        """A chunked answer begins. llama-server closes the connection after each (its stream's
+        content provider reports the end as a failure), and a client's next request comes as soon
+        as it reads the end. Once the server was seen to do so, the next connection is opened now,
+        while llama-server computes; the streamed one is closed on our side as it is released, which
+        opens another if this one idled out meanwhile (``_ended``). Repeats of a prompt sent the
+        moment their answer ended waited 1.2-1.7 ms in 2 of 6 for a connection opened at the close,
+        and 0.3-0.6 ms in 5 of 6 for one opened at the answer's end (quiet, 2 cores: the sidecar's
+        loop finishes the answer first)."""
         if self.closes_streams:
             self._open_spare()
 
@@ -399,7 +400,6 @@ class UpstreamResponse:
                 del buf[: end + 2]
                 if end == 0:
                     self._state = _DONE
-                    self._upstream._streamed()
             elif state == _UNTIL_CLOSE:
                 self._emit(bytes(buf))
                 buf.clear()
@@ -476,9 +476,9 @@ class UpstreamResponse:
         if conn is None:
             return
         conn.response = None
-        conn.after_chunked = self.chunked
-        if not (self._state == _DONE and self.keep_alive and self._error is None and not self._buf) \
-                or self.chunked and self._upstream.closes_streams:  # about to be closed: ``_streamed`` replaced it
+        whole = self._state == _DONE and self.keep_alive and self._error is None and not self._buf
+        conn.after_chunked = whole and self.chunked  # a close by the server now teaches ``closes_streams``
+        if not whole or conn.after_chunked and self._upstream.closes_streams:  # about to be closed: replaced
             conn.close()
         self._upstream.put_back(conn)  # kept, or (closed) dropped and replaced
 
