@@ -17,6 +17,7 @@ import json
 import math
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -426,6 +427,20 @@ def summary(values: Sequence[float], digits: int = 1) -> dict[str, float]:
 
 def ratio(a: float, b: float, digits: int = 2) -> float | None:
     return round(a / b, digits) if b else None
+
+
+def ratio_interval(xs: Sequence[float], base: Sequence[float], level: float = 90, n: int = 2000,
+                   seed: int = 0) -> tuple[float, float]:
+    """A bootstrap interval of ``median(xs) / median(base)``: each side resampled with replacement
+    ``n`` times, the ratios' central ``level`` percent. The seed is fixed, so one result file always
+    gives the same interval."""
+    rng = random.Random(seed)
+    ratios = []
+    for _ in range(n):
+        b = statistics.median(rng.choices(base, k=len(base)))
+        ratios.append(statistics.median(rng.choices(xs, k=len(xs))) / b if b else math.inf)
+    tail = (100 - level) / 2
+    return percentile(ratios, tail), percentile(ratios, 100 - tail)
 
 
 # -- prompt text ------------------------------------------------------------------------------------------

@@ -74,6 +74,7 @@ from .common import (
     metric,
     percentile,
     print_table,
+    ratio_interval,
     redis_flush,
     redis_or_given,
     scrape,
@@ -93,6 +94,15 @@ DUE_AFTER_S = 0.1  # due_together: after the second answer (past a save's shorte
 MODES = ("alone", "kvtier", "kvtier-cache-ram-0")
 # Also llama-server alone with its cache off (``--modes``): what an operator of tenants runs without kvtier.
 OTHER_MODES = ("alone-cache-ram-0",)
+GOAL = 1.1  # #29: each timed figure at most this many times llama-server alone's
+# The per-rep timings a mode is judged on against alone (figure, the rows' field), for their intervals.
+TIMED = {"repeat_at_once": (("repeat TTFT ms", "repeat_ttft_ms"),),
+         "sibling_at_once": (("sibling TTFT ms", "sibling_ttft_ms"),),
+         "other_at_once": (("other conversation TTFT ms", "other_ttft_ms"), ("return TTFT ms", "return_ttft_ms")),
+         "beside_save": (("new conversation TTFT ms", "other_ttft_ms"),),
+         "due_together": (("new conversation TTFT ms", "other_ttft_ms"),),
+         "agent_subagents": (("finalize TTFT ms", "finalize_ttft_ms"),
+                             ("finalize / last main step", "finalize_ratio"))}
 
 
 def llama_args(ctx: int, threads: int, slots: int, mode: str = "alone") -> list[str]:
@@ -373,6 +383,32 @@ def versus_alone(rows: list[list[Any]]) -> list[list[Any]]:
     return out
 
 
+def bounds(results: dict[str, dict[str, Any]]) -> list[list[Any]]:
+    """Each mode's timed figures over alone's in the same load: the p50 ratio, its 90% bootstrap
+    interval, and what that interval says of the goal: within it, over it, or (an interval that
+    spans it, as a spread of 0.1 to 0.9 s over 24 reps gives) that these reps cannot tell."""
+    out = []
+    for key, by_scenario in results.items():
+        load, mode = key.split("/")
+        alone = results.get(f"{load}/alone", {})
+        for name, figures in TIMED.items():
+            for figure, field in figures:
+                xs = [x[field] for x in by_scenario.get(name, [])]
+                base = [x[field] for x in alone.get(name, [])]
+                if mode == "alone" or not xs or not base or not percentile(base, 50):
+                    continue
+                lo, hi = ratio_interval(xs, base)
+                verdict = (f"within {GOAL:g}x" if hi <= GOAL else f"over {GOAL:g}x" if lo > GOAL
+                           else f"cannot tell {GOAL:g}x")
+                out.append([load, name, mode, figure, f"{len(xs)} / {len(base)}",
+                            round(percentile(xs, 50) / percentile(base, 50), 2), f"{lo:.2f}-{hi:.2f}", verdict])
+    return out
+
+
+BOUNDS_HEAD = ["load", "scenario", "mode", "figure", "reps (mode / alone)", "x alone (p50)", "90% interval",
+               "verdict"]
+
+
 def md_neverworse(data: dict[str, Any], md_table: Any) -> str:
     """The section of docs/benchmarks.md for a result file of this benchmark."""
     st = data["settings"]
@@ -397,6 +433,8 @@ def md_neverworse(data: dict[str, Any], md_table: Any) -> str:
     md = head + md_table(["load", "scenario", "mode", "figure", "value", "tokens computed (p50)"], rows) + "\n"
     if ratios := versus_alone(rows):
         md += "\n" + md_table(["load", "scenario", "mode", "figure", "x alone (p50 over p50)"], ratios) + "\n"
+    if intervals := bounds(data.get("results", {})):
+        md += "\n" + md_table(BOUNDS_HEAD, intervals) + "\n"
     return md
 
 
@@ -452,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
                 ["load", "scenario", "mode", "figure", "value", "tokens computed (p50)"], rows)
     print_table("Over llama-server alone (p50 over p50, same load, modes interleaved)",
                 ["load", "scenario", "mode", "figure", "x alone"], versus_alone(rows))
+    print_table(f"Over llama-server alone, with a 90% bootstrap interval (goal: at most {GOAL:g}x)", BOUNDS_HEAD,
+                bounds(results))
     console.print("tokens computed: of the repeat; of the prefix (abort_reprompt); of the sibling; of the other "
                   "conversation and of the return (other_at_once); of the new conversation (beside_save, due_together); "
                   "of the finalize")

@@ -243,6 +243,28 @@ def test_neverworse_compares_each_mode_with_alone_in_the_same_load() -> None:
                                              ["loaded", "repeat_at_once", "kvtier", "repeat TTFT ms (p50)", 0.9]]
 
 
+def test_neverworse_bounds_say_when_the_reps_cannot_tell_the_goal() -> None:
+    def reps(*ms: float) -> list[dict[str, float]]:
+        return [{"repeat_ttft_ms": x} for x in ms]
+
+    steady = reps(*(20.0 + i % 3 for i in range(24)))  # 20-22 ms
+    results = {"quiet/alone": {"repeat_at_once": steady},
+               "quiet/kvtier": {"repeat_at_once": reps(*(20.5 + i % 3 for i in range(24)))},
+               "loaded/alone": {"repeat_at_once": reps(*(100.0 + 37 * i % 800 for i in range(24)))},
+               "loaded/kvtier": {"repeat_at_once": reps(*(110.0 + 41 * i % 800 for i in range(24)))},
+               "quiet/kvtier-cache-ram-0": {"repeat_at_once": reps(*(30.0 + i % 3 for i in range(24)))}}
+    rows = {(r[0], r[2]): r for r in neverworse.bounds(results)}
+    assert set(rows) == {("quiet", "kvtier"), ("loaded", "kvtier"), ("quiet", "kvtier-cache-ram-0")}
+    quiet = rows["quiet", "kvtier"]
+    assert quiet[:6] == ["quiet", "repeat_at_once", "kvtier", "repeat TTFT ms", "24 / 24", 1.02]
+    lo, hi = map(float, quiet[6].split("-"))
+    assert lo <= 1.02 <= hi <= 1.1 and quiet[7] == "within 1.1x"
+    assert rows["quiet", "kvtier-cache-ram-0"][7] == "over 1.1x"  # ~31 over ~21 ms, narrow on both sides
+    lo, hi = map(float, rows["loaded", "kvtier"][6].split("-"))
+    assert lo < 1.1 < hi and rows["loaded", "kvtier"][7] == "cannot tell 1.1x"  # 0.1-0.9 s on both sides
+    assert neverworse.bounds(results) == neverworse.bounds(results)  # a fixed seed: one file, one interval
+
+
 def test_chatsteps_rows_leave_the_first_step_out_and_compare_with_alone() -> None:
     def steps(*ms: float) -> list[dict[str, Any]]:
         return [{"step": i + 1, "ttft_ms": x, "computed": 40 + i, "prompt_tokens": 3000} for i, x in enumerate(ms)]
