@@ -263,6 +263,20 @@ def test_a_connection_closed_after_its_answer_is_replaced_before_the_next_reques
     assert run(loop, [chunked(b"x"), chunked(b"y")], body, close_after=True).connections >= 2
 
 
+async def stream_begun(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, opened: list[int],
+                       seen: list[int]) -> bytes:
+    """Numbers a connection the server took (``opened``), reads its request, notes it in ``seen``
+    and writes its streamed answer but the last chunk, which it returns."""
+    n = len(opened) + 1
+    opened.append(n)
+    head = await reader.readuntil(b"\r\n\r\n")
+    await reader.readexactly(int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0]))
+    seen.append(n)
+    *start, end = chunked(b"data: %d\n\n" % n)
+    writer.write(b"".join(start))
+    return end
+
+
 def test_once_the_server_closes_after_streams_the_next_connection_opens_as_a_stream_ends(loop: str) -> None:
     # The server closes each connection a while after a chunked answer, as llama-server does (at
     # once there). Once the client saw it, it opens the next connection as a stream begins, and the
@@ -274,15 +288,10 @@ def test_once_the_server_closes_after_streams_the_next_connection_opens_as_a_str
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         n = len(opened) + 1
-        opened.append(n)
         try:
-            head = await reader.readuntil(b"\r\n\r\n")
-            await reader.readexactly(int(head.lower().split(b"content-length:")[1].split(b"\r\n")[0]))
-            seen.append(n)
-            *start, end = chunked(b"data: %d\n\n" % n)
-            writer.write(b"".join(start))
+            end = await stream_begun(reader, writer, opened, seen)
             await writer.drain()
-            await asyncio.sleep(0.05)  # computing
+            await asyncio.sleep(0.2)  # computing (the spare connects meanwhile, on a busy machine too)
             open_at_end.append(len(opened))
             writer.write(end)
             await writer.drain()
@@ -313,6 +322,47 @@ def test_once_the_server_closes_after_streams_the_next_connection_opens_as_a_str
 
     with asyncio.Runner(loop_factory=LOOPS[loop]) as runner:
         runner.run(asyncio.wait_for(main(), 10))
+
+
+def test_a_stream_longer_than_the_keepalive_still_leaves_a_fresh_connection_at_its_end(loop: str) -> None:
+    # The spare opened as a stream begins idles out if the stream outlasts the keep-alive. A long
+    # answer refreshes it as it goes, so the request sent the moment it ends does not connect first.
+    opened: list[int] = []
+    seen: list[int] = []  # per request answered, the connection it came on
+    open_at_end: list[int] = []  # connections opened when each answer's last chunk was sent
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            end = await stream_begun(reader, writer, opened, seen)
+            for _ in range(50 if len(seen) == 2 else 0):  # the second answer: 2.5 s of tokens
+                await asyncio.sleep(0.05)
+                writer.write(b"2\r\n: \r\n")
+                await writer.drain()
+            open_at_end.append(len(opened))
+            writer.write(end)
+            await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        upstream = Upstream(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", keepalive_s=1.0)
+        try:
+            await post(upstream)
+            await until(lambda: upstream.closes_streams and len(opened) == 2, "the close seen, and replaced")
+            status, body, _ = await post(upstream)  # outlasts the keep-alive
+            assert status == 200 and body.startswith(b"data: 2")
+            assert (await post(upstream))[1] == b"data: %d\n\n" % seen[2]  # sent the moment it ended
+            assert seen[1] == 2 and seen[2] <= open_at_end[1]  # on a connection opened before the end
+            assert len(opened) <= 8  # refreshed every ~0.75 s, not at every chunk
+        finally:
+            upstream.close()
+            server.close()
+
+    with asyncio.Runner(loop_factory=LOOPS[loop]) as runner:
+        runner.run(asyncio.wait_for(main(), 15))
 
 
 def test_a_connection_closed_for_idling_is_not_replaced(loop: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,8 +11,8 @@ Why kvtier has its own client rather than aiohttp's, for this one job:
   generation.
 - No handshake on a request's path after a streamed answer (llama-server then closes the connection):
   one ending within ``REFILL_S`` of its answer, none idle beside it, is replaced (``_refill``),
-  and once the server was seen to close one after a chunked answer, the next stream's replacement
-  is opened as that stream begins (``_streamed``), and its own connection is closed on our side.
+  and once the server was seen to close one after a chunked answer, a stream keeps a replacement
+  open that is still fresh when it ends (``_keep_spare``), and its own connection is closed on our side.
 - A witness of the process: a connection of its own, kept open to llama-server, which dies with the
   process behind it (``sidecar.http.witness``). This client opens it (``connect``) and asks
   ``/health`` on it (``health_on``), outside the pool.
@@ -54,6 +54,7 @@ KEEPALIVE_S = 4.0
 # wait their turn rather than open ever more sockets to llama-server (which queues them anyway).
 MAX_ACTIVE = 256
 REFILL_S = 1.0  # a connection ending this soon after its answer was closed for it, not for idling
+SPARE_FRESH = 0.75  # a stream's spare is replaced past this share of ``keepalive_s`` (it outlived it)
 
 _CHUNK_SIZE_RE = re.compile(rb"[0-9A-Fa-f]{1,15}")
 
@@ -164,23 +165,25 @@ class Upstream:
             self.closes_streams |= conn.after_chunked
             self._open_spare()
 
-    def _streamed(self) -> None:
-        """A chunked answer begins. llama-server closes the connection after each (its stream's
-        content provider reports the end as a failure), and a client's next request comes as soon
-        as it reads the end. Once the server was seen to do so, the next connection is opened now,
-        while llama-server computes; the streamed one is closed on our side as it is released, which
-        opens another if this one idled out meanwhile (``_ended``). Repeats of a prompt sent the
-        moment their answer ended waited 1.2-1.7 ms in 2 of 6 for a connection opened at the close,
-        and 0.3-0.6 ms in 5 of 6 for one opened at the answer's end (quiet, 2 cores: the sidecar's
-        loop finishes the answer first)."""
+    def _keep_spare(self) -> None:
+        """A chunked answer's head or body came. llama-server closes the connection after each (its
+        stream's content provider reports the end as a failure), and a client's next request comes
+        as soon as it reads the end. Once the server was seen to do so, the next connection is kept
+        ready while llama-server computes: opened as the stream begins, and again whenever the idle
+        one has aged past ``SPARE_FRESH`` of the keep-alive (a stream that outlasts it); the
+        streamed one is closed on our side as it is released. Repeats of a prompt sent the moment
+        their answer ended waited 1.2-1.7 ms in 2 of 6 for a connection opened at the close, and
+        0.3-0.6 ms in 5 of 6 for one opened at the answer's end (quiet, 2 cores: the sidecar's loop
+        finishes the answer first)."""
         if self.closes_streams:
-            self._open_spare()
+            self._open_spare(self.keepalive_s * SPARE_FRESH)
 
-    def _open_spare(self) -> None:
-        """One connection opened for the pool, unless one is open idle or being opened."""
-        now = time.monotonic()
+    def _open_spare(self, fresh_s: float | None = None) -> None:
+        """One connection opened for the pool, unless one idle is younger than ``fresh_s`` (the
+        keep-alive by default) or one is being opened."""
+        now, fresh_s = time.monotonic(), self.keepalive_s if fresh_s is None else fresh_s
         if not (self._closed or self._refilling
-                or any(not c.closed and now - c.idle_since < self.keepalive_s for c in self._idle)):
+                or any(not c.closed and now - c.idle_since < fresh_s for c in self._idle)):
             self._refilling = asyncio.get_running_loop().create_task(self._refill())
 
     async def _refill(self) -> None:
@@ -338,6 +341,8 @@ class UpstreamResponse:
             if self._conn is not None:
                 self._conn.close()
             return
+        if self.chunked:
+            self._upstream._keep_spare()
         self._wake()
 
     def lost(self, exc: Exception | None) -> None:
@@ -415,8 +420,6 @@ class UpstreamResponse:
         self._left = found.length or 0
         self.content_length = found.length if found.framing in ("none", "length") else None
         self.chunked = found.framing == "chunked"
-        if self.chunked:
-            self._upstream._streamed()
         self._state = _FRAMING_STATE[found.framing]
 
     def _emit(self, piece: bytes) -> None:
