@@ -166,15 +166,11 @@ class Upstream:
             self._open_spare()
 
     def _keep_spare(self) -> None:
-        """A chunked answer's head or body came. llama-server closes the connection after each (its
-        stream's content provider reports the end as a failure), and a client's next request comes
-        as soon as it reads the end. Once the server was seen to do so, the next connection is kept
-        ready while llama-server computes: opened as the stream begins, and again whenever the idle
-        one has aged past ``SPARE_FRESH`` of the keep-alive (a stream that outlasts it); the
-        streamed one is closed on our side as it is released. Repeats of a prompt sent the moment
-        their answer ended waited 1.2-1.7 ms in 2 of 6 for a connection opened at the close, and
-        0.3-0.6 ms in 5 of 6 for one opened at the answer's end (quiet, 2 cores: the sidecar's loop
-        finishes the answer first)."""
+        """A chunked answer's head or body came. Once the server was seen to close the connection
+        after one (llama-server's stream provider reports its end as a failure), the next is kept
+        ready as it computes: opened as a stream begins, again once the idle one passes
+        ``SPARE_FRESH`` of the keep-alive. Repeats sent the moment their answer ended waited 1.2-1.7
+        ms (2 of 6) for one opened at the close, 0.3-0.6 ms (5 of 6) at the answer's end."""
         if self.closes_streams:
             self._open_spare(self.keepalive_s * SPARE_FRESH)
 
@@ -217,6 +213,10 @@ class Upstream:
     def put_back(self, conn: Connection) -> None:
         """Keep ``conn`` for the next request; a closed one is dropped (and replaced: ``_ended``)."""
         conn.idle_since = time.monotonic()
+        for old in [c for c in self._idle if c.closed or conn.idle_since - c.idle_since >= self.keepalive_s]:
+            self._idle.remove(old)  # closed by the server or idled out: not counted against MAX_IDLE
+            old.pool = None
+            old.close()
         if self._closed or conn.closed or len(self._idle) >= MAX_IDLE:
             conn.close()
             self._ended(conn)
