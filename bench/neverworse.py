@@ -391,17 +391,19 @@ def bounds(results: dict[str, dict[str, Any]]) -> list[list[Any]]:
     for key, by_scenario in results.items():
         load, mode = key.split("/")
         alone = results.get(f"{load}/alone", {})
+        if mode == "alone":
+            continue
         for name, figures in TIMED.items():
             for figure, field in figures:
                 xs = [x[field] for x in by_scenario.get(name, [])]
                 base = [x[field] for x in alone.get(name, [])]
-                if mode == "alone" or not xs or not base or not percentile(base, 50):
+                if not xs or not (base_p50 := percentile(base, 50)):
                     continue
                 lo, hi = ratio_interval(xs, base)
                 verdict = (f"within {GOAL:g}x" if hi <= GOAL else f"over {GOAL:g}x" if lo > GOAL
                            else f"cannot tell {GOAL:g}x")
                 out.append([load, name, mode, figure, f"{len(xs)} / {len(base)}",
-                            round(percentile(xs, 50) / percentile(base, 50), 2), f"{lo:.2f}-{hi:.2f}", verdict])
+                            round(percentile(xs, 50) / base_p50, 2), f"{lo:.2f}-{hi:.2f}", verdict])
     return out
 
 

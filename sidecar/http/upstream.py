@@ -79,7 +79,7 @@ class Upstream:
         self._active = asyncio.Semaphore(max_active)
         self._closed = False
         self._refilling: asyncio.Task[None] | None = None  # a connection opened for the idle pool
-        self.closes_streams = False  # the server closed a connection after a chunked answer (``_streamed``)
+        self.closes_streams = False  # the server closed a connection after a chunked answer (``_keep_spare``)
 
     async def request(self, method: str, target: str, headers: Iterable[tuple[str, str]],
                       body: bytes = b"") -> UpstreamResponse:
