@@ -429,16 +429,21 @@ def ratio(a: float, b: float, digits: int = 2) -> float | None:
     return round(a / b, digits) if b else None
 
 
-def ratio_interval(xs: Sequence[float], base: Sequence[float], level: float = 90, n: int = 2000,
-                   seed: int = 0) -> tuple[float, float]:
-    """A bootstrap interval of ``median(xs) / median(base)``: each side resampled with replacement
-    ``n`` times, the ratios' central ``level`` percent. The seed is fixed, so one result file always
-    gives the same interval."""
+def ratio_interval(xs: Sequence[Sequence[float]], base: Sequence[Sequence[float]], level: float = 90,
+                   n: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A bootstrap interval of the ratio of medians, ``xs``'s over ``base``'s, each given as its reps'
+    figures (one or more a rep: repeats within a rep share its moment of the machine, so a rep is
+    resampled whole). Each side's reps are resampled with replacement ``n`` times; the ratios'
+    central ``level`` percent. The seed is fixed, so one result file always gives the same interval."""
     rng = random.Random(seed)
+
+    def median_of_draw(reps: Sequence[Sequence[float]]) -> float:
+        return statistics.median([x for rep in rng.choices(reps, k=len(reps)) for x in rep])
+
     ratios = []
     for _ in range(n):
-        b = statistics.median(rng.choices(base, k=len(base)))
-        ratios.append(statistics.median(rng.choices(xs, k=len(xs))) / b if b else math.inf)
+        b = median_of_draw(base)
+        ratios.append(median_of_draw(xs) / b if b else math.inf)
     tail = (100 - level) / 2
     return percentile(ratios, tail), percentile(ratios, 100 - tail)
 

@@ -153,9 +153,12 @@ async def repeat_at_once(s: aiohttp.ClientSession, rig: Rig, a: argparse.Namespa
     messages = [{"role": "system", "content": "Answer from these records. " + document(a.prefix, 70 + r)},
                 {"role": "user", "content": QUESTIONS[r % len(QUESTIONS)]}]
     first = await chat(s, rig.url(0), messages, 16)
-    again = await chat(s, rig.url(0), messages, 16)  # the moment the first answer ended
-    return [{"rep": r, "first_ttft_ms": first.ttft_ms, "repeat_ttft_ms": again.ttft_ms,
-             "repeat_computed": again.recomputed_tokens, "prompt_tokens": again.prompt_tokens}]
+    rows: list[dict[str, Any]] = []
+    for nth in range(1, a.repeats + 1):
+        again = await chat(s, rig.url(0), messages, 16)  # the moment the answer before ended
+        rows.append({"rep": r, "nth": nth, "repeat_ttft_ms": again.ttft_ms, "repeat_computed": again.recomputed_tokens,
+                     "prompt_tokens": again.prompt_tokens, **({"first_ttft_ms": first.ttft_ms} if nth == 1 else {})})
+    return rows
 
 
 async def sibling_at_once(s: aiohttp.ClientSession, rig: Rig, a: argparse.Namespace, r: int) -> list[dict[str, Any]]:
@@ -399,12 +402,21 @@ def bounds(results: dict[str, dict[str, Any]]) -> list[list[Any]]:
                 base = [x[field] for x in alone.get(name, [])]
                 if not xs or not (base_p50 := percentile(base, 50)):
                     continue
-                lo, hi = ratio_interval(xs, base)
+                lo, hi = ratio_interval(by_rep(by_scenario[name], field), by_rep(alone[name], field))
                 verdict = (f"within {GOAL:g}x" if hi <= GOAL else f"over {GOAL:g}x" if lo > GOAL
                            else f"cannot tell {GOAL:g}x")
                 out.append([load, name, mode, figure, f"{len(xs)} / {len(base)}",
                             round(percentile(xs, 50) / base_p50, 2), f"{lo:.2f}-{hi:.2f}", verdict])
     return out
+
+
+def by_rep(rows: list[dict[str, Any]], field: str) -> list[list[float]]:
+    """``field`` of ``rows`` grouped by rep (``--repeats``: several repeats a rep), in order; rows
+    without a rep (an agent's) stand alone."""
+    groups: dict[Any, list[float]] = {}
+    for i, x in enumerate(rows):
+        groups.setdefault(x.get("rep", ("row", i)), []).append(x[field])
+    return list(groups.values())
 
 
 BOUNDS_HEAD = ["load", "scenario", "mode", "figure", "reps (mode / alone)", "x alone (p50)", "90% interval",
@@ -417,7 +429,7 @@ def md_neverworse(data: dict[str, Any], md_table: Any) -> str:
     head = (f"\n### `python -m bench neverworse`\n\nllama-server `-np {st['slots']} -c {st['ctx']} -t {st['threads']}` "
             f"(its `--cache-ram` at the default, 8 GiB, but in mode *kvtier-cache-ram-0*), "
             f"{Path(st['model']).name if st.get('model') else 'SmolLM2'}, 2 nodes, kvtier on an "
-            f"embedded Valkey; {st['reps']} reps{_interleaved(st)}; *loaded*: one process spinning on a core beside the nodes. "
+            f"embedded Valkey; {st['reps']} reps{_repeats(st)}{_interleaved(st)}; *loaded*: one process spinning on a core beside the nodes. "
             f"`repeat_at_once`: a chat of ~{st['prefix']} tokens sent again the moment its answer ends; "
             f"`abort_reprompt`: a stream left after {st['abort_after']} tokens, then the same prefix with a new "
             f"question, on the same node and on the other; `sibling_at_once`: a question on a ~{st['prefix']}-"
@@ -440,6 +452,11 @@ def md_neverworse(data: dict[str, Any], md_table: Any) -> str:
     return md
 
 
+def _repeats(settings: dict[str, Any]) -> str:
+    n = settings.get("repeats", 1)
+    return f" (`repeat_at_once`: {n} repeats a rep, each at once; the intervals resample whole reps)" if n > 1 else ""
+
+
 def _interleaved(settings: dict[str, Any]) -> str:
     if "block" not in settings:  # a result file from before the modes took turns
         return ", one mode after another"
@@ -455,6 +472,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ctx", type=int, default=16384, help="llama-server -c (shared by its slots)")
     p.add_argument("--prefix", type=int, default=1500, help="tokens of the repeated and the aborted prefix")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=1, help="repeat_at_once: the prompt sent again this many times "
+                   "a rep, each the moment the answer before ended (a client calibrating); the interval "
+                   "resamples whole reps")
     p.add_argument("--block", type=int, default=2, help="reps run back to back on one mode before the next mode's "
                                                         "turn (modes take turns, all nodes up together)")
     p.add_argument("--model", help="GGUF for every node (default SmolLM2; a generated 8B-shaped model shows "
@@ -472,6 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     a.modes = [x for x in a.modes.split(",") if x]
     if bad := [x for x in a.scenarios if x not in SCENARIOS] + [x for x in a.modes if x not in MODES + OTHER_MODES]:
         p.error(f"unknown scenarios or modes {bad}")
+    if a.repeats < 1 or a.reps < 1:
+        p.error("--reps and --repeats take 1 or more")
     if a.redis_url and sum(m.startswith("kvtier") for m in a.modes) > 1:
         p.error("--redis-url serves one kvtier mode (each needs a Redis of its own): pick one with --modes")
     results: dict[str, dict[str, Any]] = {}
@@ -491,7 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table("Never worse than llama-server alone (same flags, default --cache-ram)",
                 ["load", "scenario", "mode", "figure", "value", "tokens computed (p50)"], rows)
     print_table("Over llama-server alone (p50 over p50, same load, modes interleaved)",
-                ["load", "scenario", "mode", "figure", "x alone"], versus_alone(rows))
+                ["load", "scenario", "mode", "figure", "x alone"], [[*r[:4], f"{r[4]:.2f}"] for r in versus_alone(rows)])
     print_table(f"Over llama-server alone, with a 90% bootstrap interval (goal: at most {GOAL:g}x)", BOUNDS_HEAD,
                 bounds(results))
     console.print("tokens computed: of the repeat; of the prefix (abort_reprompt); of the sibling; of the other "

@@ -265,6 +265,24 @@ def test_neverworse_bounds_say_when_the_reps_cannot_tell_the_goal() -> None:
     assert neverworse.bounds(results) == neverworse.bounds(results)  # a fixed seed: one file, one interval
 
 
+def test_neverworse_repeats_of_one_rep_are_resampled_together() -> None:
+    """Repeats sent one after another share their rep's moment of the machine: four repeats of the
+    same figure a rep give the interval of one a rep, not a narrower one."""
+    alone = [100.0 + 37 * i % 800 for i in range(12)]
+    mode = [110.0 + 41 * i % 800 for i in range(12)]
+
+    def results(repeats: int) -> dict[str, dict[str, Any]]:
+        def rows(ms: list[float]) -> list[dict[str, Any]]:
+            return [{"rep": r, "nth": n + 1, "repeat_ttft_ms": x} for r, x in enumerate(ms) for n in range(repeats)]
+        return {"loaded/alone": {"repeat_at_once": rows(alone)}, "loaded/kvtier": {"repeat_at_once": rows(mode)}}
+
+    once, four = neverworse.bounds(results(1)), neverworse.bounds(results(4))
+    assert four[0][4] == "48 / 48" and once[0][4] == "12 / 12"
+    assert four[0][5:] == once[0][5:]  # the same p50 ratio, interval and verdict
+    assert neverworse.by_rep([{"rep": 0, "f": 1.0}, {"rep": 1, "f": 2.0}, {"rep": 0, "f": 3.0}], "f") == [[1.0, 3.0], [2.0]]
+    assert neverworse.by_rep([{"f": 1.0}, {"f": 2.0}], "f") == [[1.0], [2.0]]  # an agent's rows stand alone
+
+
 def test_chatsteps_rows_leave_the_first_step_out_and_compare_with_alone() -> None:
     def steps(*ms: float) -> list[dict[str, Any]]:
         return [{"step": i + 1, "ttft_ms": x, "computed": 40 + i, "prompt_tokens": 3000} for i, x in enumerate(ms)]
