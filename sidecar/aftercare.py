@@ -74,6 +74,11 @@ SAVE_DEFER_S = 10.0
 # ``due_together``: it went behind the write in 2 of 5 reps once writes learned fast made the
 # pause 0.06-0.1 s).
 HELD_QUIET_S = 0.25
+# A held save past half its wait (``held_beside``) also goes while another slot computes a prompt with
+# at least this many times the save's expected write left: llama-server writes it between that prompt's
+# batches, costing it a tenth at most, rather than at the end of the wait, into whatever comes then (a
+# client's repeat at once took 450 ms instead of 40 behind such a write and its store, loaded).
+LONG_PROMPT_WRITES = 10.0
 # How long a save's request is in flight before its slot may go to a request that waits for it
 # (``Aftercare._hand_over_when_wanted``): by then llama-server has queued the save.
 HANDOVER_AFTER_S = 0.05
@@ -124,7 +129,7 @@ def end_cheaper(plan: RequestPlan, timings: Callable[[], Timings | None], saver:
 
 
 async def held_beside(table: SlotTable, slot: int, limit: float, draining: Callable[[], bool],
-                      lift: Lift, quiet: float = SAVE_DELAY_S) -> float | None:
+                      lift: Lift, quiet: float = SAVE_DELAY_S, write: float | None = None) -> float | None:
     """Hold the save of ``slot`` back while other slots compute, ``limit`` seconds at most; the
     seconds it waited, None when none computed (or ``limit`` is 0). llama-server alone would run
     them with nothing beside. It goes once none computes, when a request wants its slot (a next
@@ -137,24 +142,34 @@ async def held_beside(table: SlotTable, slot: int, limit: float, draining: Calla
     (``lift``): another node's next turn meanwhile does not wait for a save that may be seconds
     away, and restores what the tiers hold. A session's save, and a cut answer's (which a re-prompt
     on another node restores), are not held back. ``quiet``: the quiet moment it goes after (``Aftercare``
-    gives the save's own pause, ``save_pause``, and ``HELD_QUIET_S`` at least)."""
+    gives the save's own pause, ``save_pause``, and ``HELD_QUIET_S`` at least). ``write``: llama-server's
+    expected write of the slot; from half of ``limit`` on, the save also goes beside a prompt with
+    ``LONG_PROMPT_WRITES`` times that left to compute (``SlotTable.prefilling_beside``)."""
     if limit <= 0 or not table.beside(slot) or table.wanted(slot) or draining():
         return None
     t0 = time.perf_counter()
-    deadline = t0 + limit
+    half, deadline = t0 + limit / 2, t0 + limit
+
+    def go() -> bool:  # a drain, or past half the wait, a long prompt beside
+        return draining() or (write is not None and time.perf_counter() >= half
+                              and table.prefilling_beside(slot, LONG_PROMPT_WRITES * write))
+
     await lift()
     while True:
-        await table.until_alone(slot, deadline - time.perf_counter(), stop=draining)
+        now = time.perf_counter()
+        await table.until_alone(slot, (half if now < half else deadline) - now, stop=go)
         left = deadline - time.perf_counter()
-        if left <= 0 or table.wanted(slot) or draining():
+        if left <= 0 or table.wanted(slot) or go():
             break
+        if table.beside(slot):
+            continue  # half the wait is over, with slots beside: from now on a long prompt lets it go too
         # None computes now, but a slot that has just answered is often asked again at once (its
         # client's next turn, a retry, an agent's next step): the save goes after a quiet moment, not
         # into that request. 12 repeats of a prompt one after another (SmolLM2, quiet) took 29 ms
         # alone and 72 ms through kvtier when the save held back during the prompt went as it ended.
         # As long as the pause after an answer (``HELD_QUIET_S`` at least): a request that comes
         # within it is spared the write.
-        if not await _came(lambda s: table.until_busy(slot, s, stop=draining), min(quiet, left)):
+        if not await _came(lambda s: table.until_busy(slot, s, stop=go), min(quiet, left)):
             break
     return time.perf_counter() - t0
 
@@ -315,8 +330,8 @@ class Aftercare:
             await self._server_changed(plan)  # counted when a restart broke the answer off
             return False
         if not cut and plan.session_id is None and (waited := await held_beside(
-                table, lease.slot, self.defer_s, lambda: self._draining > 0, lift,
-                max(pause, HELD_QUIET_S))) is not None:
+                table, lease.slot, self.defer_s, lambda: self._draining > 0, lift, max(pause, HELD_QUIET_S),
+                self.saver.expected_write(table.held_about(lease.slot)))) is not None:
             self.metrics.save_deferred_seconds.observe(waited)
         if await self._server_changed(plan):
             table.forget(lease.slot)

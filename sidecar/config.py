@@ -154,7 +154,8 @@ class Settings:
                                    "is dropped", _int)
     save_defer: float = _option(10.0, "longest a save waits after its answer while other slots compute "
                                       "(llama-server's write of the slot stops them, kvtier's work takes CPU "
-                                      "from them); it goes at once when a request wants its slot. 0: never waits",
+                                      "from them); it goes at once when a request wants its slot, and past half of it, "
+                                      "beside a prompt with ten times its write left to compute. 0: never waits",
                                 _float)
     save_wait: float = _option(2.0, "longest a request waits for another node's save in flight that holds more of "
                                      "its prompt than the tiers do; the cost model may wait less (0: never wait)",

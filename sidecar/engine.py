@@ -149,8 +149,7 @@ class KVEngine:
                       early: EarlyLookup | None = None) -> RequestPlan:
         """Take a slot for ``prompt``'s tokens and restore the longest worthwhile prefix into it.
 
-        The slot is released by ``finish`` (after the answer and its save), or here when this
-        fails or is cancelled.
+        The slot is released by ``finish`` (after the answer and its save), or here on a failure.
 
         Args:
             prompt: the request's tokens (what kvtier computed of them is checked after the answer).
@@ -180,6 +179,7 @@ class KVEngine:
             t1 = time.perf_counter()
             await self._restore(plan, target, early)
             self._launched(table, lease.slot, tokens)
+            table.computes(lease.slot, self.cost.recompute_s(plan.to_compute, lease.sharing))
             if prompt_end and target.memory_kind.has_rest and tokens.size - max(plan.restored_tokens, lease.cached_tokens) > 1:
                 await self.saver.save_prompt_end(table, lease.slot, plan.namespace, tokens, owner=salt)
         except BaseException:

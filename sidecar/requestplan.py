@@ -48,5 +48,10 @@ class RequestPlan:
     # Tokens llama-server would reuse without a restore: the slot's, or its own prompt cache's (``llamacache``).
     llama_reused: int = 0
 
+    @property
+    def to_compute(self) -> int:
+        """Prompt tokens llama-server computes: those neither restored nor reused."""
+        return int(self.tokens.size) - max(self.restored_tokens, self.lease.cached_tokens, self.llama_reused)
+
     def took(self, restored: Restored) -> None:
         self.restored_tokens, self.restore_tier, self.restore_ms = restored.n_tokens, restored.tier, restored.ms

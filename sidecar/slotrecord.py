@@ -1,4 +1,5 @@
-"""The record of one llama-server slot (``Slot``), and what a save recorded of it (``SavedSlot``).
+"""The record of one llama-server slot (``Slot``), what a save recorded of it (``SavedSlot``), and
+what taking it is worth to a request (``slot_worth``).
 
 ``SlotTable`` (``slots.py``) writes them, one method per transition; every other part reads them.
 """
@@ -45,6 +46,7 @@ class Slot:
     followers: list[Asked] = field(default_factory=list)
     answered_at: float = 0.0  # when its last answer ended (the table's clock)
     stored: int = 0  # how many of ``tokens`` the tiers were given (a save stored, a restore read them)
+    prefill_until: float = 0.0  # while it computes: when its prompt should be computed (the table's clock)
 
     @property
     def computing(self) -> bool:
@@ -69,3 +71,26 @@ class SavedSlot:
     tokens: np.ndarray  # the very array the slot table holds (``is`` tells whether it changed since)
     previous: np.ndarray
     previous_tail: TailRecord | None
+
+
+# The share of a prompt's expected compute (the cost model's) that ``SlotTable.computes`` counts on: the
+# rate comes from prompts of other lengths or loads, or from the prior before any was measured.
+PREFILL_SURE = 0.75
+
+
+# A slot used this recently holds a live conversation (agents' steps, chat turns: back within minutes;
+# colder is in the tiers): a request overwriting more than it reuses takes a colder free slot (``slot_worth``).
+LIVE_S = 600.0
+
+
+def slot_worth(slot: Slot, reused: int, coldest: Slot | None, now: float, held: np.ndarray | None = None) -> int:
+    """What taking ``slot`` is worth to a request that reuses ``reused`` of its tokens:
+    those tokens, less the ones it would overwrite when they belong to a live conversation
+    (used within ``LIVE_S``) while a colder slot is free. So a request that shares a system
+    prompt with another conversation takes the empty or coldest slot rather than that
+    conversation's, whose next turn then finds its slot still holding it; one that
+    continues a slot (nothing overwritten) or reuses more than it overwrites takes that slot.
+    ``held``: what the slot holds, when not its ``tokens`` (a slot whose save runs: ``Slot.hot``)."""
+    lost = 0 if slot.unknown and held is None else int((slot.tokens if held is None else held).size) - reused
+    live = slot is not coldest and now - slot.last_used < LIVE_S
+    return reused - lost if live else reused

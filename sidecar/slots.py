@@ -25,24 +25,7 @@ from integrations.kvflow import StoredState, TailRecord
 from tiers.keys import common_prefix
 
 from .asked import Asked, continues, follows
-from .slotrecord import SavedSlot, Slot
-
-# A slot used this recently holds a live conversation (agents' steps, chat turns: back within minutes;
-# colder is in the tiers): a request overwriting more than it reuses takes a colder free slot (``_worth``).
-LIVE_S = 600.0
-
-
-def _worth(slot: Slot, reused: int, coldest: Slot | None, now: float, held: np.ndarray | None = None) -> int:
-    """What taking ``slot`` is worth to a request that reuses ``reused`` of its tokens:
-    those tokens, less the ones it would overwrite when they belong to a live conversation
-    (used within ``LIVE_S``) while a colder slot is free. So a request that shares a system
-    prompt with another conversation takes the empty or coldest slot rather than that
-    conversation's, whose next turn then finds its slot still holding it; one that
-    continues a slot (nothing overwritten) or reuses more than it overwrites takes that slot.
-    ``held``: what the slot holds, when not its ``tokens`` (a slot whose save runs: ``Slot.hot``)."""
-    lost = 0 if slot.unknown and held is None else int((slot.tokens if held is None else held).size) - reused
-    live = slot is not coldest and now - slot.last_used < LIVE_S
-    return reused - lost if live else reused
+from .slotrecord import PREFILL_SURE, SavedSlot, Slot, slot_worth
 
 
 @dataclass(slots=True, eq=False)
@@ -286,7 +269,7 @@ class SlotRecords:
 
 
 class SlotTable(SlotRecords):
-    """Slot choice: the idle slot whose reuse is worth most (``_worth``), the least recently used one among equals."""
+    """Slot choice: the idle slot whose reuse is worth most (``slot_worth``), the least recently used one among equals."""
 
     def __init__(self, n_slots: int, clock: Callable[[], float] = time.monotonic):
         if n_slots <= 0:
@@ -314,6 +297,17 @@ class SlotTable(SlotRecords):
         at a time: a request that comes meanwhile waits for one write in llama-server's queue)."""
         return sum(1 for s in self.slots if s.id != slot and (s.writing or s.computing))
 
+    def computes(self, slot: int, seconds: float) -> None:
+        """The request on ``slot`` has about ``seconds`` of its prompt to compute (``KVEngine.prepare``):
+        counted as ``PREFILL_SURE`` of that, so that a save sent beside it lands before its end."""
+        self.slots[slot].prefill_until = self._clock() + PREFILL_SURE * seconds
+        self.nudge()  # a save held past half its wait may go beside a long prompt (``held_beside``)
+
+    def prefilling_beside(self, slot: int, seconds: float) -> bool:
+        """Whether another slot computes a prompt with at least ``seconds`` of it left."""
+        now = self._clock()
+        return any(s.id != slot and s.computing and s.prefill_until - now >= seconds for s in self.slots)
+
     async def until_alone(self, slot: int, timeout: float, *, stop: Callable[[], bool] = lambda: False) -> None:
         """Wait up to ``timeout`` s until none is ``beside`` ``slot``, it is ``wanted``, or ``stop()``."""
         await self._until(slot, lambda: not self.beside(slot) or self.wanted(slot) or stop(), timeout)
@@ -324,14 +318,14 @@ class SlotTable(SlotRecords):
         return await self._until(slot, lambda: bool(self.beside(slot)) or self.wanted(slot) or stop(), timeout)
 
     def _choose(self, tokens: np.ndarray, want: int | None, owner: str) -> Lease | int | None:
-        """The lease for the best idle slot (``_worth``); or the id of a slot whose save is running, worth
+        """The lease for the best idle slot (``slot_worth``); or the id of a slot whose save is running, worth
         more than any idle one by the same measure (a next turn keeps its slot; a new conversation sharing a
         header with it takes a free one, not a wait behind that save's write); None when nothing is idle."""
         idle = [s for s in self.slots if not s.busy and (want is None or s.id == want)]
         held = {s.id: common_prefix(s.tokens, tokens) if s.owner == owner else 0 for s in idle}
         now, coldest = self._clock(), min(idle, key=lambda s: s.last_used) if idle else None
-        worth = {s.id: _worth(s, held[s.id], coldest, now) for s in idle}
-        saving = [(_worth(s, common_prefix(hot, tokens), None, now, hot), s.id) for s in self.slots
+        worth = {s.id: slot_worth(s, held[s.id], coldest, now) for s in idle}
+        saving = [(slot_worth(s, common_prefix(hot, tokens), None, now, hot), s.id) for s in self.slots
                   if s.saving and (want is None or s.id == want) for hot, hot_owner in [s.hot()] if hot_owner == owner]
         if saving and (wait_for := max(saving))[0] > max(worth.values(), default=0):
             return wait_for[1]
@@ -423,6 +417,7 @@ class SlotTable(SlotRecords):
     def _grant(self, slot: Slot) -> None:
         slot.busy = True
         slot.last_used = self._clock()
+        slot.prefill_until = 0.0  # not known until its plan (``computes``; a follow-up's stays so)
         slot.leases += 1
         self.nudge()  # one slot more computing: a save waiting for a quiet moment checks
 

@@ -485,3 +485,38 @@ async def test_a_held_save_goes_after_a_quiet_moment_as_long_as_its_pause(quiet:
     again.release()
     waited = await asyncio.wait_for(held, 2)
     assert waited >= 0.25 + quiet  # it waited for the second request, then for a whole quiet moment after it
+
+
+async def _nothing_to_lift() -> None:
+    pass
+
+
+@pytest.mark.parametrize(("left", "write", "at_half"), [(5.0, 0.01, True), (0.05, 0.01, False), (5.0, None, False)])
+async def test_a_held_save_goes_at_half_its_wait_beside_a_prompt_with_ten_writes_left(
+        left: float, write: float | None, at_half: bool) -> None:
+    """Past half its wait, a held save goes beside a prompt with at least ten times its write left to
+    compute (llama-server writes it between that prompt's batches), not at the end of the wait into
+    whatever comes then. Beside a prompt with less left, or with its write not known yet, it waits on."""
+    table = SlotTable(2)
+    mine, other = await table.acquire(np.arange(10, dtype=np.int32)), await table.acquire(np.arange(50, 60, dtype=np.int32))
+    table.begin_save(mine.slot, None)
+    table.computes(other.slot, left)
+    waited = await asyncio.wait_for(held_beside(table, mine.slot, 1.0, lambda: False, _nothing_to_lift, 0.03, write), 3)
+    assert (0.5 <= waited < 0.9) if at_half else waited >= 1.0
+
+
+async def test_a_long_prompt_that_starts_past_half_the_wait_lets_a_held_save_go() -> None:
+    table = SlotTable(3)
+    mine, other = await table.acquire(np.arange(10, dtype=np.int32)), await table.acquire(np.arange(50, 60, dtype=np.int32))
+    table.computes(other.slot, 5.0)
+    other.release()
+    await table.acquire(np.arange(50, 60, dtype=np.int32), want=other.slot)  # a follow-up: its prompt's size not known
+    table.begin_save(mine.slot, None)
+    assert not table.prefilling_beside(mine.slot, 0.1)  # the new grant forgot the last request's prompt
+    held = asyncio.create_task(held_beside(table, mine.slot, 2.0, lambda: False, _nothing_to_lift, 0.03, 0.01))
+    await asyncio.sleep(1.2)
+    assert not held.done()  # half the wait is over, but nothing long computes beside
+    long = await table.acquire(np.arange(100, 110, dtype=np.int32))
+    table.computes(long.slot, 5.0)
+    waited = await asyncio.wait_for(held, 1)
+    assert 1.2 <= waited < 1.6

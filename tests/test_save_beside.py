@@ -24,6 +24,9 @@ from tests.test_aborted_answers import node
 
 pytestmark = pytest.mark.llama
 
+# --save-defer whose half outlasts the other request (past half of it, a long prompt beside lets a
+# held save go: the test below its own).
+LONG_DEFER = 30.0
 SHORT = {"prompt": "Shelf 7 holds blue jars of honey and red jars of jam.\nQuestion: What does shelf 7 hold?\nAnswer:",
          "n_predict": 4, "temperature": 0}
 
@@ -58,6 +61,7 @@ async def saves_while(a: Sidecar, other: asyncio.Task[Answer], metric: str = "kv
 async def test_a_save_waits_while_another_slot_computes_and_goes_once_none_does(
         redis_srv: RedisProc, tmp_path: Path) -> None:
     async with node(tmp_path, redis_srv.url, "a") as (_, a):
+        a.engine.aftercare.defer_s = LONG_DEFER
         _, other = await answered_beside_another(a.url)
         assert a.metric("kvtier_pending_saves") == 1
         # Held back for the whole of the other request: its prompt, then its answer (llama-server's
@@ -75,6 +79,7 @@ async def test_a_save_waits_while_another_slot_computes_and_goes_once_none_does(
 async def test_a_held_save_waits_for_a_quiet_moment_after_the_other_slot_answers(
         redis_srv: RedisProc, tmp_path: Path) -> None:
     async with node(tmp_path, redis_srv.url, "a") as (_, a):
+        a.engine.aftercare.defer_s = LONG_DEFER
         long = long_request()
         _, other = await answered_beside_another(a.url, long)
         assert (await other).status == 200
@@ -90,6 +95,7 @@ async def test_a_held_save_waits_for_a_quiet_moment_after_the_other_slot_answers
 
 async def test_a_held_saves_quiet_moment_outlasts_a_small_saves_pause(redis_srv: RedisProc, tmp_path: Path) -> None:
     async with node(tmp_path, redis_srv.url, "a") as (_, a):
+        a.engine.aftercare.defer_s = LONG_DEFER
         long = long_request()
         _, other = await answered_beside_another(a.url, long)
         assert (await other).status == 200
@@ -102,6 +108,26 @@ async def test_a_held_saves_quiet_moment_outlasts_a_small_saves_pause(redis_srv:
         assert (await again).status == 200
         assert await a.engine.drain(30)
         assert a.metric("kvtier_save_deferred_seconds_count") >= 1
+
+
+async def test_past_half_its_wait_a_held_save_goes_beside_a_long_prompt(redis_srv: RedisProc, tmp_path: Path) -> None:
+    """Once the node knows how long a write takes, a save held beside another slot's long prompt goes at
+    half ``--save-defer`` (that prompt has more than ten times the write left to compute, and llama-server
+    writes the slot between its batches), not at the end of the wait, into whatever request comes then."""
+    async with node(tmp_path, redis_srv.url, "a") as (_, a):
+        a.engine.aftercare.defer_s = 2.0
+        warm = await post(a.url + "/completion", {**SHORT, "prompt": "Shelf 9 holds tins of tea.\nQuestion: And shelf 9?\nAnswer:"})
+        assert warm.status == 200
+        for _ in range(250):  # nothing computes beside it: saved at once, and its write learned
+            if a.metric("kvtier_save_seconds_count") == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert a.engine.aftercare.saver.expected_write(40) is not None
+        _, other = await answered_beside_another(a.url)
+        assert await saves_while(a, other, "kvtier_save_deferred_seconds_count") == 1  # gone beside it
+        assert (await other).status == 200
+        assert 0.9 <= a.metric("kvtier_save_deferred_seconds_sum") < 1.9  # at half the wait, not at its end
+        assert await a.engine.drain(30)
 
 
 async def test_a_request_that_wants_the_slot_ends_the_wait(redis_srv: RedisProc, tmp_path: Path) -> None:

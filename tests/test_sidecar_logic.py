@@ -13,8 +13,7 @@ import pytest
 
 from integrations.kvflow import TailRecord
 from integrations.llama_server import Timings, stream_finished
-from sidecar import aftercare
-from sidecar import slots as slots_mod
+from sidecar import aftercare, slotrecord
 from sidecar.asked import FOLLOW_UP_MAX_CHARS, continues
 from sidecar.cli_client import summarize_metrics
 from sidecar.config import Settings, load_settings
@@ -76,7 +75,7 @@ async def test_a_live_conversations_slot_is_not_taken_while_a_colder_one_is_free
     assert await turn(arr(7, 7), 22.0) == (2, 1)
     # Once no longer live, the longest prefix wins again, whatever it overwrites: slot 0 (1, 2, 8, ...)
     # is not the coldest, slot 1 is.
-    assert await turn(arr(1, 2, 8, 4), 21.0 + slots_mod.LIVE_S + 1) == (0, 3)
+    assert await turn(arr(1, 2, 8, 4), 21.0 + slotrecord.LIVE_S + 1) == (0, 3)
 
 
 def test_a_restore_decision_prices_the_queue_wait_and_prefill_rate_of_its_level() -> None:
