@@ -515,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table("Over llama-server alone (p50 over p50, same load, modes interleaved)",
                 ["load", "scenario", "mode", "figure", "x alone"], [[*r[:4], f"{r[4]:.2f}"] for r in versus_alone(rows)])
     print_table(f"Over llama-server alone, with a 90% bootstrap interval (goal: at most {GOAL:g}x)", BOUNDS_HEAD,
-                bounds(results))
+                [[*r[:5], f"{r[5]:.2f}", *r[6:]] for r in bounds(results)])
     console.print("tokens computed: of the repeat; of the prefix (abort_reprompt); of the sibling; of the other "
                   "conversation and of the return (other_at_once); of the new conversation (beside_save, due_together); "
                   "of the finalize")
