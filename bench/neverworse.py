@@ -398,11 +398,11 @@ def bounds(results: dict[str, dict[str, Any]]) -> list[list[Any]]:
             continue
         for name, figures in TIMED.items():
             for figure, field in figures:
-                xs = [x[field] for x in by_scenario.get(name, [])]
-                base = [x[field] for x in alone.get(name, [])]
+                mine, theirs = by_rep(by_scenario.get(name, []), field), by_rep(alone.get(name, []), field)
+                xs, base = [x for rep in mine for x in rep], [x for rep in theirs for x in rep]
                 if not xs or not (base_p50 := percentile(base, 50)):
                     continue
-                lo, hi = ratio_interval(by_rep(by_scenario[name], field), by_rep(alone[name], field))
+                lo, hi = ratio_interval(mine, theirs)
                 verdict = (f"within {GOAL:g}x" if hi <= GOAL else f"over {GOAL:g}x" if lo > GOAL
                            else f"cannot tell {GOAL:g}x")
                 out.append([load, name, mode, figure, f"{len(xs)} / {len(base)}",
