@@ -21,6 +21,7 @@ import contextlib
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 import uvloop
@@ -144,9 +145,14 @@ async def serve_aiohttp(port: int, host: str, upstream_port: int) -> None:
     await asyncio.Event().wait()
 
 
+class Relayed(NamedTuple):
+    url: str
+    pid: int  # its process: ``bench overhead`` reads the CPU time it spends on each request
+
+
 @contextlib.contextmanager
-def bare_relay(upstream_url: str, web_layer: bool = False) -> Iterator[str]:
-    """A bare relay in front of ``upstream_url`` (its own process, as a sidecar is); its URL.
+def bare_relay(upstream_url: str, web_layer: bool = False) -> Iterator[Relayed]:
+    """A bare relay in front of ``upstream_url`` (its own process, as a sidecar is).
     ``web_layer``: the aiohttp one (``--aiohttp``)."""
     up = urlsplit(upstream_url)
     port = free_port()
@@ -155,7 +161,7 @@ def bare_relay(upstream_url: str, web_layer: bool = False) -> Iterator[str]:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_port(port, proc=proc)
-        yield f"http://127.0.0.1:{port}"
+        yield Relayed(f"http://127.0.0.1:{port}", proc.pid)
     finally:
         proc.terminate()
         proc.wait(10)

@@ -152,15 +152,17 @@ async def measure(prompt_tokens: int, reps: int, threads: int, redis_url: str,
         for other in (alone, relayed, web_relayed):
             if other.sidecar is not None:
                 other.sidecar.stop()
-        with bare_relay(relayed.llama_url) as relay_url, bare_relay(web_relayed.llama_url, web_layer=True) as web_url:
-            bases = {"direct": alone.llama_url, "sidecar": node.sidecar_url, "relay": relay_url, "web": web_url}
-            await _rounds(bases, node.sidecar_url, prompt_tokens, reps, out, prog, task, stage_log)
+        with bare_relay(relayed.llama_url) as relay, bare_relay(web_relayed.llama_url, web_layer=True) as web:
+            bases = {"direct": alone.llama_url, "sidecar": node.sidecar_url, "relay": relay.url, "web": web.url}
+            assert node.sidecar is not None and node.sidecar.proc is not None
+            pids = {"sidecar": node.sidecar.proc.pid, "relay": relay.pid, "web": web.pid}
+            await _rounds(bases, pids, prompt_tokens, reps, out, prog, task, stage_log)
     return out
 
 
-async def _rounds(bases: dict[str, str], sidecar_url: str, prompt_tokens: int, reps: int, out: dict[str, Any],
+async def _rounds(bases: dict[str, str], pids: dict[str, int], prompt_tokens: int, reps: int, out: dict[str, Any],
                  prog: Progress | None, task: Any, stage_log: Path | None) -> None:
-    llama_url = bases["direct"]
+    llama_url, sidecar_url = bases["direct"], bases["sidecar"]
     async with client_session(keep_alive=True) as s:
         tokens = await exact_tokens(s, llama_url, prompt_tokens, seed=77)
         text = (await _detokenize(s, llama_url, tokens)).strip()
@@ -177,6 +179,7 @@ async def _rounds(bases: dict[str, str], sidecar_url: str, prompt_tokens: int, r
             await wait_idle(s, [sidecar_url])
             walls: dict[str, list[float]] = {which: [] for which in bases}
             compute: dict[str, list[float]] = {which: [] for which in bases}
+            cpu: dict[str, list[float]] = {which: [] for which in pids}
             prompt_n: list[int] = []
             recorded = len(stages.read(stage_log)) if stage_log else 0
             before = await scrape(s, sidecar_url)
@@ -185,7 +188,10 @@ async def _rounds(bases: dict[str, str], sidecar_url: str, prompt_tokens: int, r
                     prog.update(task, description=f"overhead: {kind} round {i + 1}/{reps}")
                 path, body = request_for(kind, tokens, text, tails[kind][i], tail_ids[i])
                 for which in _order(i):
+                    ran = main_thread_cpu_us(pids.get(which))
                     ms, data = await timed_post(s, bases[which] + path, body)
+                    if ran is not None and (now := main_thread_cpu_us(pids.get(which))) is not None:
+                        cpu[which].append(now - ran)
                     walls[which].append(ms)
                     timings = data.get("timings", {})
                     prompt_n.append(int(timings.get("prompt_n", -1)))
@@ -195,6 +201,7 @@ async def _rounds(bases: dict[str, str], sidecar_url: str, prompt_tokens: int, r
                         prog.advance(task)
             after = await scrape(s, sidecar_url)
             out["kinds"][kind] = _kind_result(walls, before, after, prompt_n, compute)
+            out["kinds"][kind]["cpu_us"] = {which: summary(v, 1) for which, v in cpu.items() if v}
             if stage_log:
                 out["kinds"][kind]["stages_ms"] = stages.medians(stages.read(stage_log)[recorded:])
         # The extra HTTP hop alone: a request kvtier passes through untouched (no compute either side).
@@ -227,6 +234,20 @@ async def _rounds(bases: dict[str, str], sidecar_url: str, prompt_tokens: int, r
 
 
 PATHS = ("direct", "sidecar", "relay", "web")
+
+
+def main_thread_cpu_us(pid: int | None) -> float | None:
+    """CPU time the main thread of process ``pid`` has run, in us (Linux's schedstat, in ns; None
+    elsewhere). Read just before a request is sent and just after its answer is read, it is what
+    the process spent on that request: its event loop runs there, and nothing else runs on it then
+    (the sidecar is idle between requests: ``wait_idle``). Much less noisy than wall time here."""
+    if pid is None:
+        return None
+    try:
+        with open(f"/proc/{pid}/task/{pid}/schedstat") as f:
+            return int(f.read().split()[0]) / 1000
+    except OSError:
+        return None
 
 
 def _order(i: int) -> tuple[str, ...]:
@@ -323,6 +344,22 @@ def _verdict(kind: dict[str, Any]) -> str:
     return f"{'met' if kind['added_outside_compute_ms_p50'] < target else 'NOT met'} (< {target:g} ms)"
 
 
+CPU_HEADERS = ["request", "kvtier us", "aiohttp relay us", "bare relay us", "kvtier - aiohttp relay us",
+               "kvtier - bare relay us"]
+
+
+def cpu_rows(res: dict[str, Any]) -> list[list[Any]]:
+    """CPU per request on each path's main thread, p50 (``main_thread_cpu_us``)."""
+    out = []
+    for kind, k in res["kinds"].items():
+        p50 = {which: v["p50"] for which, v in k.get("cpu_us", {}).items()}
+        if "sidecar" in p50:
+            out.append([kind, p50["sidecar"], p50.get("web"), p50.get("relay"),
+                        round(p50["sidecar"] - p50["web"], 1) if "web" in p50 else None,
+                        round(p50["sidecar"] - p50["relay"], 1) if "relay" in p50 else None])
+    return out
+
+
 def stage_rows(res: dict[str, Any]) -> list[list[Any]]:
     return [[label, *(k.get("stages_ms", {}).get(label) for k in res["kinds"].values())]
             for label, _, _ in stages.STAGES]
@@ -400,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
     info["machine"]["load_avg_end"] = machine()["load_avg"]
     print_table(f"Sidecar overhead, no restore needed ({a.prompt_tokens}-token prompt in the slot, n_predict 1)",
                 HEADERS, rows(res))
+    if cpu := cpu_rows(res):
+        print_table("CPU each path's process spent on a request (its main thread, from sending the request to "
+                    "reading the answer), p50", CPU_HEADERS, cpu)
     console.print("This host's cost of waking: one aiohttp web.Response built, median us: "
                   + ", ".join(f"{k.replace('_', ' ')} {v:g}" for k, v in info["wake_cost_us"].items()))
     if a.stages:

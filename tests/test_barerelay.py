@@ -69,7 +69,7 @@ def _server() -> Iterator[str]:
 
 
 def test_the_relay_passes_answers_through_on_one_kept_alive_connection() -> None:
-    with _server() as upstream, bare_relay(upstream) as url:
+    with _server() as upstream, bare_relay(upstream) as (url, _):
         port = int(url.rsplit(":", 1)[1])
 
         async def go() -> list[bytes]:
@@ -93,7 +93,7 @@ def test_the_relay_passes_answers_through_on_one_kept_alive_connection() -> None
 @pytest.mark.parametrize("web_layer", [False, True])
 @pytest.mark.parametrize("size", [0, 200_000])
 def test_an_empty_and_a_large_body_pass_whole(size: int, web_layer: bool) -> None:
-    with _server() as upstream, bare_relay(upstream, web_layer=web_layer) as url:
+    with _server() as upstream, bare_relay(upstream, web_layer=web_layer) as (url, _):
         async def go() -> bytes:
             async with aiohttp.ClientSession() as s, s.post(url + "/echo", data=b"y" * size) as r:
                 return await r.read()

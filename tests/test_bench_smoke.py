@@ -8,9 +8,11 @@ with the same summarising functions the real run uses.
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -313,6 +315,29 @@ def test_stage_medians_and_the_overhead_verdict() -> None:
     assert overhead._verdict(kind) == "met (< 2 ms)"  # a run from before the target was 1 ms
     wake = overhead.wake_cost(samples=2, idle_ms=(1, 5))  # the host's figures, reported with each run
     assert list(wake) == ["hot", "after_1ms_idle", "after_5ms_idle"] and all(v > 0 for v in wake.values())
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="schedstat is Linux's")
+def test_overhead_reads_the_cpu_a_process_spends_on_a_request() -> None:
+    """The main thread's CPU time: work on it moves it by about that much, sleeping does not, a
+    process that is gone gives None; the table compares kvtier with both relays per kind."""
+    pid = os.getpid()  # pytest's main thread is this process's
+    start, ran = overhead.main_thread_cpu_us(pid), time.thread_time()
+    assert start is not None
+    while time.thread_time() - ran < 0.05:  # 50 ms of this thread's CPU, however busy the machine
+        pass
+    busy, ran = overhead.main_thread_cpu_us(pid), time.thread_time() - ran
+    time.sleep(0.05)
+    idle = overhead.main_thread_cpu_us(pid)
+    assert busy is not None and idle is not None
+    assert busy - start == pytest.approx(ran * 1e6, rel=0.2) and idle - busy < 5_000
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    assert overhead.main_thread_cpu_us(int(done.stdout)) is None and overhead.main_thread_cpu_us(None) is None
+    res = {"kinds": {"tokens": {"cpu_us": {"sidecar": {"p50": 1500.0}, "web": {"p50": 800.0}, "relay": {"p50": 300.0}}},
+                     "chat": {"cpu_us": {"sidecar": {"p50": 900.0}}},
+                     "old": {}}}  # a result file from before the figure
+    assert overhead.cpu_rows(res) == [["tokens", 1500.0, 800.0, 300.0, 700.0, 1200.0], ["chat", 900.0, None, None, None, None]]
 
 
 def test_datapath_rates_each_path_against_the_floor_the_issue_names() -> None:
