@@ -132,10 +132,11 @@ def model_8b(tmp_path_factory: pytest.TempPathFactory) -> str:
 @pytest.mark.parametrize("n_nodes", [1, 2])
 async def test_slow_turns_after_restarts_compute_only_the_new_turn(
         redis_srv: RedisProc, model_8b: str, tmp_path: Path, n_nodes: int) -> None:
-    async with nodes(tmp_path, redis_srv, n_nodes, model_8b, "-t", "1", "-np", "2") as pairs:
-        # ~1,700 tokens: the first turn's prefill takes over 5 s on one thread (70 records, ~1,390
-        # tokens, took 4.8 s in a CI run on an idle machine, under the bar).
-        rows = await converse(pairs, document(85))
+    async with nodes(tmp_path, redis_srv, n_nodes, model_8b, "-t", "1", "-np", "2", "-c", "6144") as pairs:
+        # ~2,400 tokens, -c 6144 to hold them in a slot: the first turn's prefill takes over 5 s on one
+        # thread (8.9 s on an "AMD EPYC" VM). 70 records (~1,390 tokens) took 4.8 s in a CI run on an
+        # idle machine, and 85 (~1,690) 4.7 s on that faster one: both under the bar.
+        rows = await converse(pairs, document(120))
         assert rows[0]["seconds"] >= 5.0, rows  # long enough for the health loop to look twice
         assert_only_new_turns(rows)
         assert saves_skipped(pairs) == 0
