@@ -239,8 +239,9 @@ PATHS = ("direct", "sidecar", "relay", "web")
 def main_thread_cpu_us(pid: int | None) -> float | None:
     """CPU time the main thread of process ``pid`` has run, in us (Linux's schedstat, in ns; None
     elsewhere). Read just before a request is sent and just after its answer is read, it is what
-    the process spent on that request: its event loop runs there, and nothing else runs on it then
-    (the sidecar is idle between requests: ``wait_idle``). Much less noisy than wall time here."""
+    the process spent on that request, kernel time included: its event loop runs there, and the
+    sidecar's last save is over by then (``wait_idle``). A health check (every 2 s) may fall in a
+    window; the median leaves it out. Much less noisy than wall time here."""
     if pid is None:
         return None
     try:
