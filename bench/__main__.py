@@ -19,6 +19,7 @@ from bench import (
     llama_cpp_python,
     neverworse,
     overhead,
+    relays,
     report,
     state,
     tiers,
@@ -35,6 +36,7 @@ BENCHMARKS: dict[str, Callable[[list[str]], int | None]] = {
     "neverworse": neverworse.main,
     "datapath": datapath.main,
     "chatsteps": chatsteps.main,
+    "relays": relays.main,
 }
 USAGE = f"usage: python -m bench NAME [options]\n\nNAME: {', '.join(BENCHMARKS)}"
 

@@ -1,6 +1,8 @@
-"""A bare HTTP relay: the least a Python proxy on uvloop can add to a request (``bench overhead``).
+"""A bare HTTP relay: the least a Python proxy on uvloop can add to a request (``bench overhead``,
+``bench relays``).
 
-    python -m bench.barerelay PORT UPSTREAM_HOST UPSTREAM_PORT [--aiohttp]
+    python -m bench.barerelay PORT UPSTREAM_HOST UPSTREAM_PORT [--aiohttp | --asyncio]
+    python -m bench.barerelay PORT --stub
 
 Bytes in, bytes out: each request is framed by its ``Content-Length`` and written unchanged to
 a kept-alive connection to llama-server; the answer, framed the same way, is written back
@@ -12,6 +14,15 @@ the floor that a sidecar, which must read the request to place it, sits on. Benc
 With ``--aiohttp`` it is the sidecar's HTTP layer and nothing else: an aiohttp application with one
 handler that reads the body and relays it with the sidecar's own ``Upstream`` and ``relay`` (no
 middleware, no JSON, no slots): what kvtier's web layer costs before any of its own logic.
+
+With ``--asyncio`` it is ``Upstream`` and nothing of aiohttp's server: an ``asyncio.Protocol``
+frames each request (as the bare relay does), a task relays it with ``Upstream`` and writes the
+answer back in one buffer. Between the bare relay and the aiohttp one, it tells what kvtier's own
+client costs and what aiohttp's server costs (``bench relays``).
+
+With ``--stub`` it is no relay but the server behind them: every request gets the same JSON
+answer at once, the size of llama-server's answer to a one-token completion, so that ``bench
+relays`` measures the relays alone.
 """
 
 from __future__ import annotations
@@ -20,7 +31,7 @@ import asyncio
 import contextlib
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import NamedTuple
 from urllib.parse import urlsplit
 
@@ -145,19 +156,103 @@ async def serve_aiohttp(port: int, host: str, upstream_port: int) -> None:
     await asyncio.Event().wait()
 
 
+class _Framed(asyncio.Protocol):
+    """A connection whose whole requests (framed by ``Content-Length``) go to ``handle``, in order."""
+
+    def __init__(self, handle: Callable[[_Framed, bytes], Awaitable[None]]) -> None:
+        self.handle, self.buf = handle, bytearray()
+        self.queue: asyncio.Queue[bytes] = asyncio.Queue()
+        self.worker: asyncio.Task[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport: asyncio.Transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        for message in _messages(self.buf, data):
+            if self.worker is None:
+                self.worker = asyncio.get_running_loop().create_task(self._work())
+            self.queue.put_nowait(message)
+
+    async def _work(self) -> None:
+        while True:
+            await self.handle(self, await self.queue.get())
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.worker is not None:
+            self.worker.cancel()
+
+
+async def serve_asyncio(port: int, host: str, upstream_port: int) -> None:
+    from sidecar.http.headers import end_to_end, for_llama_server
+    from sidecar.http.upstream import Upstream
+
+    upstream = Upstream(f"http://{host}:{upstream_port}")
+
+    async def handle(conn: _Framed, message: bytes) -> None:
+        end = message.find(b"\r\n\r\n")
+        lines = message[:end].decode("latin-1").split("\r\n")
+        method, target, _ = lines[0].split(" ", 2)
+        headers = [(name.strip(), value.strip()) for name, _, value in (line.partition(":") for line in lines[1:])]
+        answer = await upstream.request(method, target, for_llama_server(headers), message[end + 4:])
+        try:
+            body = b"".join([piece async for piece in answer.iter_any()])
+        except BaseException:
+            answer.close()
+            raise
+        answer.release()
+        head = [f"HTTP/1.1 {answer.status} {answer.reason}",
+                *(f"{k}: {v}" for k, v in end_to_end(answer.headers.items())), f"Content-Length: {len(body)}"]
+        conn.transport.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
+
+    server = await asyncio.get_running_loop().create_server(lambda: _Framed(handle), "127.0.0.1", port)
+    async with server:
+        await server.serve_forever()
+
+
+STUB_BODY = (b'{"index":0,"content":" the","tokens":[],"id_slot":0,"stop":true,"model":"stub",'
+             b'"tokens_predicted":1,"tokens_evaluated":520,"generation_settings":{"n_predict":1,'
+             b'"temperature":0.0,"top_k":40,"top_p":0.95,"min_p":0.05,"seed":4294967295},'
+             b'"prompt":"","has_new_line":false,"truncated":false,"stop_type":"limit",'
+             b'"stopping_word":"","tokens_cached":520,"timings":{"cache_n":512,"prompt_n":8,'
+             b'"prompt_ms":40.1,"prompt_per_token_ms":5.01,"prompt_per_second":199.5,'
+             b'"predicted_n":1,"predicted_ms":0.01,"predicted_per_token_ms":0.01,'
+             b'"predicted_per_second":100000.0}}' + b" " * 600)
+
+
+async def serve_stub(port: int) -> None:
+    answer = (b"HTTP/1.1 200 OK\r\nServer: llama.cpp\r\nContent-Type: application/json; charset=utf-8\r\n"
+              b"Keep-Alive: timeout=5, max=100\r\nContent-Length: %d\r\n\r\n" % len(STUB_BODY)) + STUB_BODY
+
+    async def handle(conn: _Framed, message: bytes) -> None:
+        conn.transport.write(answer)
+
+    server = await asyncio.get_running_loop().create_server(lambda: _Framed(handle), "127.0.0.1", port)
+    async with server:
+        await server.serve_forever()
+
+
+LAYERS = ("bytes", "asyncio", "aiohttp")  # bare_relay's kinds: bytes in and out, Upstream, aiohttp's server
+
+
 class Relayed(NamedTuple):
     url: str
     pid: int  # its process: ``bench overhead`` reads the CPU time it spends on each request
 
 
 @contextlib.contextmanager
-def bare_relay(upstream_url: str, web_layer: bool = False) -> Iterator[Relayed]:
-    """A bare relay in front of ``upstream_url`` (its own process, as a sidecar is).
-    ``web_layer``: the aiohttp one (``--aiohttp``)."""
-    up = urlsplit(upstream_url)
+def bare_relay(upstream_url: str | None, layer: str = "bytes") -> Iterator[Relayed]:
+    """A bare relay in front of ``upstream_url`` (its own process, as a sidecar is). ``layer``: one
+    of ``LAYERS`` (``bytes``: the byte relay; ``asyncio``, ``aiohttp``: as ``--asyncio``,
+    ``--aiohttp``). ``upstream_url`` None: the stub server (``--stub``)."""
+    if layer not in LAYERS:
+        raise ValueError(f"layer must be one of {LAYERS}, not {layer!r}")
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "bench.barerelay", str(port), up.hostname or "127.0.0.1",
-                             str(up.port), *(["--aiohttp"] if web_layer else [])],
+    if upstream_url is None:
+        args = [str(port), "--stub"]
+    else:
+        up = urlsplit(upstream_url)
+        args = [str(port), up.hostname or "127.0.0.1", str(up.port), *([f"--{layer}"] if layer != "bytes" else [])]
+    proc = subprocess.Popen([sys.executable, "-m", "bench.barerelay", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         wait_port(port, proc=proc)
@@ -168,8 +263,12 @@ def bare_relay(upstream_url: str, web_layer: bool = False) -> Iterator[Relayed]:
 
 
 def main(argv: list[str]) -> int:
+    if argv[1:] == ["--stub"]:
+        uvloop.run(serve_stub(int(argv[0])))
+        return 0
     port, host, upstream_port = int(argv[0]), argv[1], int(argv[2])
-    uvloop.run((serve_aiohttp if "--aiohttp" in argv[3:] else serve)(port, host, upstream_port))
+    layer = {"--aiohttp": serve_aiohttp, "--asyncio": serve_asyncio}.get(argv[3] if argv[3:] else "", serve)
+    uvloop.run(layer(port, host, upstream_port))
     return 0
 
 

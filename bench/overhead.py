@@ -152,7 +152,7 @@ async def measure(prompt_tokens: int, reps: int, threads: int, redis_url: str,
         for other in (alone, relayed, web_relayed):
             if other.sidecar is not None:
                 other.sidecar.stop()
-        with bare_relay(relayed.llama_url) as relay, bare_relay(web_relayed.llama_url, web_layer=True) as web:
+        with bare_relay(relayed.llama_url) as relay, bare_relay(web_relayed.llama_url, "aiohttp") as web:
             bases = {"direct": alone.llama_url, "sidecar": node.sidecar_url, "relay": relay.url, "web": web.url}
             assert node.sidecar is not None and node.sidecar.proc is not None
             pids = {"sidecar": node.sidecar.proc.pid, "relay": relay.pid, "web": web.pid}

@@ -6,13 +6,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import aiohttp
 import pytest
 from aiohttp import web
 
-from bench.barerelay import _framed, bare_relay
+from bench.barerelay import LAYERS, STUB_BODY, _framed, bare_relay
 from launch.binaries import free_port
 
 
@@ -90,12 +92,35 @@ def test_the_relay_passes_answers_through_on_one_kept_alive_connection() -> None
     assert [len(b) for b in bodies] == [i * 1000 + 1 for i in range(7)]
 
 
-@pytest.mark.parametrize("web_layer", [False, True])
+@pytest.mark.parametrize("layer", LAYERS)
 @pytest.mark.parametrize("size", [0, 200_000])
-def test_an_empty_and_a_large_body_pass_whole(size: int, web_layer: bool) -> None:
-    with _server() as upstream, bare_relay(upstream, web_layer=web_layer) as (url, _):
+def test_an_empty_and_a_large_body_pass_whole(size: int, layer: str) -> None:
+    with _server() as upstream, bare_relay(upstream, layer) as (url, _):
         async def go() -> bytes:
             async with aiohttp.ClientSession() as s, s.post(url + "/echo", data=b"y" * size) as r:
                 return await r.read()
 
         assert asyncio.run(go()) == b"y" * size
+
+
+def test_every_layer_passes_the_stubs_answer_through(tmp_path: Path) -> None:
+    # ``bench relays`` end to end, briefly: the stub's answer comes back whole on every path, and
+    # each relay's figures are read from its own process.
+    from bench import relays
+
+    out = tmp_path / "relays.json"
+    assert relays.main(["--requests", str(relays.BATCH), "--gaps", "0", "--json", str(out)]) == 0
+    res = json.loads(out.read_text())
+    paths = res["gaps"]["0.0"]
+    assert set(paths) == {"direct", *LAYERS}
+    assert all(paths[p]["wall_ms"]["n"] == relays.BATCH for p in paths)
+    assert all(paths[layer]["cpu_us_per_request"] > 0 for layer in LAYERS)
+    assert paths["direct"]["added_ms_p50"] is None and all(paths[layer]["added_ms_p50"] is not None for layer in LAYERS)
+    with bare_relay(None) as stub, bare_relay(stub.url, "asyncio") as relayed:
+        answer = relays.Client(int(relayed.url.rsplit(":", 1)[1])).ask()
+    assert answer.endswith(STUB_BODY) and b"\r\nserver: llama.cpp\r\n" in answer.lower()
+
+
+def test_a_layer_is_named_or_refused() -> None:
+    with pytest.raises(ValueError, match="layer must be one of"), bare_relay(None, "uvicorn"):
+        pass
