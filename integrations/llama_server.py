@@ -118,8 +118,10 @@ def prefix_reused(timings: Timings | None, prompt_tokens: int, restored_tokens: 
 class LlamaServerClient:
     """Thin async client. Share one ``aiohttp.ClientSession`` per process (pass it in)."""
 
-    def __init__(self, base_url: str, session: aiohttp.ClientSession | None = None):
+    def __init__(self, base_url: str, session: aiohttp.ClientSession | None = None, *, unix_socket: str | None = None):
+        """``unix_socket``: where ``session``'s connector reaches llama-server (named in errors)."""
         self.base_url = base_url.rstrip("/")
+        self.where = f"{self.base_url} (Unix socket {unix_socket})" if unix_socket else self.base_url
         self._session = session
         self._owns_session = session is None
 
@@ -144,7 +146,7 @@ class LlamaServerClient:
                 text = await resp.text()
                 status = resp.status
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            raise LlamaServerError(f"llama-server at {self.base_url} unreachable: {exc!r}") from exc
+            raise LlamaServerError(f"llama-server at {self.where} unreachable: {exc!r}") from exc
         try:
             data = json.loads(text) if text else None
         except json.JSONDecodeError:

@@ -38,6 +38,22 @@ def http_ok(url: str) -> Callable[[], bool]:
     return check
 
 
+def http_ok_on(unix_socket: Path, target: str) -> Callable[[], bool]:
+    """A readiness check: ``GET target`` answers 200 on the Unix socket at ``unix_socket``."""
+
+    def check() -> bool:
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(1)
+                sock.connect(str(unix_socket))
+                sock.sendall(b"GET %s HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n" % target.encode())
+                return sock.recv(64).startswith(b"HTTP/1.1 200")
+        except OSError:
+            return False
+
+    return check
+
+
 def accepts(port: int) -> Callable[[], bool]:
     """A readiness check: something accepts TCP connections on 127.0.0.1:``port``."""
 
@@ -182,18 +198,23 @@ class LlamaServer:
     name: str = "llama-server"
     log: Path | None = None
     process: Proc | None = None
+    unix_socket: Path | None = None  # listen there only (``--host PATH.sock``), not on ``port``
 
     @property
     def url(self) -> str:
+        """Its URL on loopback; with ``unix_socket``, the one a client names (Host) but connects elsewhere."""
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 180.0) -> None:
         self.slot_dir.mkdir(parents=True, exist_ok=True)
         log = self.log or self.slot_dir.parent / f"llama-server-{self.port}.log"
+        where = ["--host", str(self.unix_socket)] if self.unix_socket is not None \
+            else ["--host", "127.0.0.1", "--port", str(self.port)]
         self.process = Proc(self.name, [
-            llama_server_binary(), "-m", self.model, "--host", "127.0.0.1", "--port", str(self.port),
+            llama_server_binary(), "-m", self.model, *where,
             "--slot-save-path", f"{self.slot_dir}/", "--no-webui", *self.args], log)
-        self.process.start(http_ok(self.url + "/health"), timeout)
+        ready = http_ok_on(self.unix_socket, "/health") if self.unix_socket is not None else http_ok(self.url + "/health")
+        self.process.start(ready, timeout)
 
     def stop(self) -> None:
         if self.process is not None:
@@ -220,11 +241,13 @@ class Node:
     sidecar: Proc | None = None
     extra_sidecar_args: list[str] = field(default_factory=list)
     advertise: bool = False  # the sidecar publishes its URL in the fleet view (--advertise-url)
+    unix_socket: bool = False  # llama-server listens on a Unix socket only, and the sidecar connects there
     llama: LlamaServer = field(init=False)
 
     def __post_init__(self) -> None:
         self.llama = LlamaServer(self.model, self.llama_args, self.slot_dir, self.llama_port,
-                                 f"llama-server {self.name}", self.root / f"{self.name}-llama.log")
+                                 f"llama-server {self.name}", self.root / f"{self.name}-llama.log",
+                                 unix_socket=self.root / f"{self.name}-llama.sock" if self.unix_socket else None)
 
     @property
     def slot_dir(self) -> Path:
@@ -249,6 +272,8 @@ class Node:
                 cmd += ["--redis-url", self.redis_url]
             if self.advertise:
                 cmd += ["--advertise-url", self.sidecar_url]
+            if self.llama.unix_socket is not None:
+                cmd += ["--llama-socket", str(self.llama.unix_socket)]
             self.sidecar = Proc(f"kvtier {self.name}", cmd, self.root / f"{self.name}-kvtier.log")
             self.sidecar.start(http_ok(self.sidecar_url + "/readyz"), 60)
 

@@ -83,15 +83,17 @@ async def _resources(app: web.Application) -> AsyncIterator[None]:
     session = aiohttp.ClientSession(
         cookie_jar=aiohttp.DummyCookieJar(),
         timeout=aiohttp.ClientTimeout(total=None, connect=10, sock_read=None),
-        connector=aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S, limit=256),
+        connector=aiohttp.UnixConnector(settings.llama_socket, keepalive_timeout=KEEPALIVE_S, limit=256)
+        if settings.llama_socket is not None else aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S, limit=256),
     )
-    upstream = Upstream(settings.llama_url)
+    upstream = Upstream(settings.llama_url, unix_socket=settings.llama_socket)
     witness = Witness(upstream)
     store, redis = build_store(settings)
     metrics = app[METRICS]
     metrics.attach_store(store)
     metrics.attach_pace(PACE)
-    engine = KVEngine(settings, LlamaServerClient(settings.llama_url, session), store, metrics,
+    client = LlamaServerClient(settings.llama_url, session, unix_socket=settings.llama_socket)
+    engine = KVEngine(settings, client, store, metrics,
                       sessions_of(store, redis), events=redis.events if redis is not None else None,
                       witness=witness.current, pending=pending_of(redis))
     metrics.attach_cost(engine.cost)

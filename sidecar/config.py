@@ -102,6 +102,9 @@ class Settings:
 
     listen: str = _option("0.0.0.0:8081", "HOST:PORT the sidecar listens on")
     llama_url: str = _option("http://127.0.0.1:8080", "llama-server base URL")
+    llama_socket: str | None = _option(None, "Unix socket llama-server listens on (its --host PATH.sock): kvtier "
+                                             "connects there, and llama_url names only the Host header and a path "
+                                             "prefix")
     slot_dir: str | None = _option(None, "directory llama-server was given as --slot-save-path (required)")
     redis_url: str | None = _option(None, "redis:// rediss:// unix:// redis+sentinel:// redis+cluster:// (optional)",
                                     redact=redacted_url)  # may hold passwords
@@ -316,13 +319,33 @@ def _secret(values: dict[str, Any], name: str, file_name: str) -> str | None:
     return str(value) if value else None
 
 
+# A Unix socket's path in bytes, at most (``sun_path`` is 108 bytes with its terminating NUL on Linux).
+MAX_SOCKET_PATH = 107
+
+
+def check_llama(llama_url: str, path: str | None) -> None:
+    """``llama_url``: an http(s) URL; ``llama_socket``: a path the kernel takes for a Unix socket,
+    for plain HTTP."""
+    url = urlsplit(llama_url)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise ConfigError(f"llama_url: expected http(s)://host:port, got {llama_url!r}")
+    if path is None:
+        return
+    if not path or "\0" in path:
+        raise ConfigError(f"llama_socket: expected the path of llama-server's Unix socket, got {path!r}")
+    if len(os.fsencode(path)) > MAX_SOCKET_PATH:
+        raise ConfigError(f"llama_socket: {len(os.fsencode(path))} bytes is over the {MAX_SOCKET_PATH} a Unix "
+                          f"socket's path may have: {path!r}")
+    if url.scheme != "http":
+        raise ConfigError("llama_socket: a Unix socket carries plain HTTP; llama_url must be http://, "
+                          f"not {url.scheme}://")
+
+
 def validate(s: Settings) -> None:
     host, _, port = s.listen.rpartition(":")
     if not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ConfigError(f"listen: expected HOST:PORT, got {s.listen!r}")
-    url = urlsplit(s.llama_url)
-    if url.scheme not in ("http", "https") or not url.hostname:
-        raise ConfigError(f"llama_url: expected http(s)://host:port, got {s.llama_url!r}")
+    check_llama(s.llama_url, s.llama_socket)
     if not s.slot_dir:
         raise ConfigError("slot_dir is required: the directory llama-server was given as --slot-save-path")
     if s.redis_url is not None:

@@ -22,6 +22,7 @@ README = Path(__file__).parent.parent / "README.md"
 SAMPLES: dict[str, tuple[Any, Any]] = {
     "listen": ("127.0.0.1:9000", "127.0.0.1:9000"),
     "llama_url": ("http://10.0.0.1:8080", "http://10.0.0.1:8080"),
+    "llama_socket": ("/run/llama/llama-server.sock", "/run/llama/llama-server.sock"),
     "slot_dir": ("/tmp", "/tmp"),
     "redis_url": ("redis://r:6379/1", "redis://r:6379/1"),
     "redis_username": ("alice", "alice"),

@@ -63,8 +63,9 @@ class Upstream:
     """Kept-alive connections to one HTTP server (llama-server), ``keepalive_s`` seconds each."""
 
     def __init__(self, base_url: str, *, keepalive_s: float = KEEPALIVE_S, connect_timeout: float = 10.0,
-                 max_active: int = MAX_ACTIVE) -> None:
+                 max_active: int = MAX_ACTIVE, unix_socket: str | None = None) -> None:
         parts = urlsplit(base_url)
+        self.unix_socket = unix_socket  # connect here; ``base_url`` then names the Host header and a prefix
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {base_url!r}")
         self.host = parts.hostname
@@ -156,8 +157,9 @@ class Upstream:
             raise UpstreamError("client closed")
         loop = asyncio.get_running_loop()
         context = ssl.create_default_context() if self.ssl else None
-        _, conn = await asyncio.wait_for(
-            loop.create_connection(Connection, self.host, self.port, ssl=context), self.connect_timeout)
+        opening = loop.create_unix_connection(Connection, self.unix_socket) if self.unix_socket is not None \
+            else loop.create_connection(Connection, self.host, self.port, ssl=context)
+        _, conn = await asyncio.wait_for(opening, self.connect_timeout)
         return conn
 
     def _ended(self, conn: Connection) -> None:
@@ -233,7 +235,7 @@ class Upstream:
 
 
 class Connection(asyncio.Protocol):
-    """One TCP connection; the response being read gets its bytes."""
+    """One connection (TCP, or a Unix socket's); the response being read gets its bytes."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
@@ -247,7 +249,7 @@ class Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's are not asyncio.Transport subclasses
         sock = transport.get_extra_info("socket")
-        if sock is not None:
+        if sock is not None and sock.family != socket.AF_UNIX:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
