@@ -1,8 +1,8 @@
 """A bare HTTP relay: the least a Python proxy on uvloop can add to a request (``bench overhead``,
 ``bench relays``).
 
-    python -m bench.barerelay PORT UPSTREAM_HOST UPSTREAM_PORT [--aiohttp | --asyncio]
-    python -m bench.barerelay PORT --stub
+    python -m bench.barerelay PORT UPSTREAM_HOST UPSTREAM_PORT [--aiohttp [--socket PATH] | --asyncio]
+    python -m bench.barerelay PORT --stub [--socket PATH]
 
 Bytes in, bytes out: each request is framed by its ``Content-Length`` and written unchanged to
 a kept-alive connection to llama-server; the answer, framed the same way, is written back
@@ -22,11 +22,13 @@ client costs and what aiohttp's server costs (``bench relays``).
 
 With ``--stub`` it is no relay but the server behind them: every request gets the same JSON
 answer at once, the size of llama-server's answer to a one-token completion, so that ``bench
-relays`` measures the relays alone.
+relays`` measures the relays alone. With ``--socket`` the stub also listens on that Unix socket, and
+the aiohttp relay connects to the server behind it there (as the sidecar does with ``--llama-socket``).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import subprocess
@@ -133,14 +135,14 @@ async def serve(port: int, host: str, upstream_port: int) -> None:
         await server.serve_forever()
 
 
-async def serve_aiohttp(port: int, host: str, upstream_port: int) -> None:
+async def serve_aiohttp(port: int, host: str, upstream_port: int, unix_socket: str | None = None) -> None:
     from aiohttp import web
 
     from sidecar.http.headers import for_llama_server
     from sidecar.http.relay import MAX_CAPTURE, Relay, relay
     from sidecar.http.upstream import Upstream
 
-    upstream = Upstream(f"http://{host}:{upstream_port}")
+    upstream = Upstream(f"http://{host}:{upstream_port}", unix_socket=unix_socket)
 
     async def handle(request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -219,16 +221,18 @@ STUB_BODY = (b'{"index":0,"content":" the","tokens":[],"id_slot":0,"stop":true,"
              b'"predicted_per_second":100000.0}}' + b" " * 600)
 
 
-async def serve_stub(port: int) -> None:
+async def serve_stub(port: int, unix_socket: str | None = None) -> None:
     answer = (b"HTTP/1.1 200 OK\r\nServer: llama.cpp\r\nContent-Type: application/json; charset=utf-8\r\n"
               b"Keep-Alive: timeout=5, max=100\r\nContent-Length: %d\r\n\r\n" % len(STUB_BODY)) + STUB_BODY
 
     async def handle(conn: _Framed, message: bytes) -> None:
         conn.transport.write(answer)
 
-    server = await asyncio.get_running_loop().create_server(lambda: _Framed(handle), "127.0.0.1", port)
-    async with server:
-        await server.serve_forever()
+    loop = asyncio.get_running_loop()
+    # The socket first: once the port accepts (what ``bare_relay`` waits for), both do.
+    servers = [await loop.create_unix_server(lambda: _Framed(handle), unix_socket)] if unix_socket else []
+    servers.append(await loop.create_server(lambda: _Framed(handle), "127.0.0.1", port))
+    await asyncio.gather(*(server.serve_forever() for server in servers))
 
 
 LAYERS = ("bytes", "asyncio", "aiohttp")  # bare_relay's kinds: bytes in and out, Upstream, aiohttp's server
@@ -240,10 +244,11 @@ class Relayed(NamedTuple):
 
 
 @contextlib.contextmanager
-def bare_relay(upstream_url: str | None, layer: str = "bytes") -> Iterator[Relayed]:
+def bare_relay(upstream_url: str | None, layer: str = "bytes", unix_socket: str | None = None) -> Iterator[Relayed]:
     """A bare relay in front of ``upstream_url`` (its own process, as a sidecar is). ``layer``: one
     of ``LAYERS`` (``bytes``: the byte relay; ``asyncio``, ``aiohttp``: as ``--asyncio``,
-    ``--aiohttp``). ``upstream_url`` None: the stub server (``--stub``)."""
+    ``--aiohttp``). ``upstream_url`` None: the stub server (``--stub``). ``unix_socket``: the stub
+    listens there too, or the aiohttp relay connects there."""
     if layer not in LAYERS:
         raise ValueError(f"layer must be one of {LAYERS}, not {layer!r}")
     port = free_port()
@@ -252,6 +257,10 @@ def bare_relay(upstream_url: str | None, layer: str = "bytes") -> Iterator[Relay
     else:
         up = urlsplit(upstream_url)
         args = [str(port), up.hostname or "127.0.0.1", str(up.port), *([f"--{layer}"] if layer != "bytes" else [])]
+    if unix_socket is not None:
+        if upstream_url is not None and layer != "aiohttp":
+            raise ValueError("only the stub and the aiohttp relay take a Unix socket")
+        args += ["--socket", unix_socket]
     proc = subprocess.Popen([sys.executable, "-m", "bench.barerelay", *args],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -263,12 +272,24 @@ def bare_relay(upstream_url: str | None, layer: str = "bytes") -> Iterator[Relay
 
 
 def main(argv: list[str]) -> int:
-    if argv[1:] == ["--stub"]:
-        uvloop.run(serve_stub(int(argv[0])))
+    p = argparse.ArgumentParser(prog="python -m bench.barerelay")
+    p.add_argument("port", type=int)
+    p.add_argument("upstream", nargs="*", help="UPSTREAM_HOST UPSTREAM_PORT (none with --stub)")
+    kind = p.add_mutually_exclusive_group()
+    for name in ("--stub", "--aiohttp", "--asyncio"):
+        kind.add_argument(name, action="store_true")
+    p.add_argument("--socket", help="a Unix socket: the stub listens there too, the aiohttp relay connects there")
+    a = p.parse_args(argv)
+    if a.stub != (not a.upstream) or len(a.upstream) not in (0, 2) or (a.socket and a.asyncio):
+        p.error("give UPSTREAM_HOST UPSTREAM_PORT, or --stub alone; --socket with --stub or --aiohttp only")
+    if a.stub:
+        uvloop.run(serve_stub(a.port, a.socket))
         return 0
-    port, host, upstream_port = int(argv[0]), argv[1], int(argv[2])
-    layer = {"--aiohttp": serve_aiohttp, "--asyncio": serve_asyncio}.get(argv[3] if argv[3:] else "", serve)
-    uvloop.run(layer(port, host, upstream_port))
+    host, upstream_port = a.upstream[0], int(a.upstream[1])
+    if a.aiohttp:
+        uvloop.run(serve_aiohttp(a.port, host, upstream_port, a.socket))
+    else:
+        uvloop.run((serve_asyncio if a.asyncio else serve)(a.port, host, upstream_port))
     return 0
 
 

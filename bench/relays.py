@@ -12,6 +12,8 @@ three relays sit in front of it, each its own process on uvloop:
     asyncio  the sidecar's ``Upstream`` behind an ``asyncio.Protocol`` that frames requests and
              writes each answer in one buffer: kvtier's client without aiohttp's server
     aiohttp  aiohttp's server, ``Upstream`` and the sidecar's relay: kvtier's web layer alone
+    aiohttp-unix  the same, connected to the stub on a Unix socket (as ``--llama-socket`` connects
+             the sidecar to llama-server): what loopback TCP costs on the second hop
 
 A client in this process sends ``POST /completion`` requests one at a time on one kept-alive
 connection, to the stub directly and through each relay, in rotating order, and waits ``gap`` ms
@@ -29,14 +31,16 @@ import contextlib
 import re
 import socket
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 from .barerelay import LAYERS, bare_relay
 from .common import RESULTS_DIR, machine, percentile, print_table, summary, versions, write_json
 from .overhead import main_thread_cpu_us
 
-PATHS = ("direct", *LAYERS)
+PATHS = ("direct", *LAYERS, "aiohttp-unix")
 BATCH = 20  # requests per path in a row before the next path's turn
 _LENGTH = re.compile(rb"(?i)\r\ncontent-length:\s*(\d+)")
 REQUEST_BODY = b'{"prompt":"' + b"and the next question, please. " * 6 + b'","n_predict":1,"cache_prompt":true}'
@@ -93,11 +97,13 @@ def batch(client: Client, pid: int | None, n: int, gap_s: float) -> tuple[list[f
 def measure(requests: int, gaps_ms: list[float]) -> dict[str, Any]:
     out: dict[str, Any] = {"requests": requests, "batch": BATCH, "gaps": {}}
     with contextlib.ExitStack() as stack:
-        stub = stack.enter_context(bare_relay(None))
+        unix_socket = str(Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-relays-"))) / "stub.sock")
+        stub = stack.enter_context(bare_relay(None, unix_socket=unix_socket))
         ports: dict[str, tuple[int, int | None]] = {"direct": (int(stub.url.rsplit(":", 1)[1]), None)}
-        for layer in LAYERS:
-            relayed = stack.enter_context(bare_relay(stub.url, layer))
-            ports[layer] = (int(relayed.url.rsplit(":", 1)[1]), relayed.pid)
+        for path in PATHS[1:]:
+            layer, _, over = path.partition("-")
+            relayed = stack.enter_context(bare_relay(stub.url, layer, unix_socket if over == "unix" else None))
+            ports[path] = (int(relayed.url.rsplit(":", 1)[1]), relayed.pid)
         clients = {path: Client(port) for path, (port, _) in ports.items()}
         try:
             for client in clients.values():  # warm-up: connections open, code loaded

@@ -112,15 +112,29 @@ def test_every_layer_passes_the_stubs_answer_through(tmp_path: Path) -> None:
     assert relays.main(["--requests", str(relays.BATCH), "--gaps", "0", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     paths = res["gaps"]["0.0"]
-    assert set(paths) == {"direct", *LAYERS}
+    relayed = relays.PATHS[1:]
+    assert set(paths) == {"direct", *relayed} and set(LAYERS) < set(relayed) and "aiohttp-unix" in relayed
     assert all(paths[p]["wall_ms"]["n"] == relays.BATCH for p in paths)
-    assert all(paths[layer]["cpu_us_per_request"] > 0 for layer in LAYERS)
-    assert paths["direct"]["added_ms_p50"] is None and all(paths[layer]["added_ms_p50"] is not None for layer in LAYERS)
+    assert all(paths[path]["cpu_us_per_request"] > 0 for path in relayed)
+    assert paths["direct"]["added_ms_p50"] is None and all(paths[path]["added_ms_p50"] is not None for path in relayed)
     with bare_relay(None) as stub, bare_relay(stub.url, "asyncio") as relayed:
         answer = relays.Client(int(relayed.url.rsplit(":", 1)[1])).ask()
     assert answer.endswith(STUB_BODY) and b"\r\nserver: llama.cpp\r\n" in answer.lower()
 
 
+def test_the_aiohttp_relay_reaches_the_stub_on_its_unix_socket_alone(tmp_path: Path) -> None:
+    from bench import relays
+
+    sock = tmp_path / "s.sock"
+    with bare_relay(None, unix_socket=str(sock)) as stub:
+        # Told a wrong TCP port, it can only have reached the stub on the socket.
+        with bare_relay(f"http://127.0.0.1:{free_port()}", "aiohttp", unix_socket=str(sock)) as relayed:
+            assert relays.Client(int(relayed.url.rsplit(":", 1)[1])).ask().endswith(STUB_BODY)
+        assert stub.pid
+
+
 def test_a_layer_is_named_or_refused() -> None:
     with pytest.raises(ValueError, match="layer must be one of"), bare_relay(None, "uvicorn"):
+        pass
+    with pytest.raises(ValueError, match="Unix socket"), bare_relay("http://127.0.0.1:1", "bytes", unix_socket="x.sock"):
         pass
