@@ -241,13 +241,11 @@ class Node:
     sidecar: Proc | None = None
     extra_sidecar_args: list[str] = field(default_factory=list)
     advertise: bool = False  # the sidecar publishes its URL in the fleet view (--advertise-url)
-    unix_socket: bool = False  # llama-server listens on a Unix socket only, and the sidecar connects there
     llama: LlamaServer = field(init=False)
 
     def __post_init__(self) -> None:
         self.llama = LlamaServer(self.model, self.llama_args, self.slot_dir, self.llama_port,
-                                 f"llama-server {self.name}", self.root / f"{self.name}-llama.log",
-                                 unix_socket=self.root / f"{self.name}-llama.sock" if self.unix_socket else None)
+                                 f"llama-server {self.name}", self.root / f"{self.name}-llama.log")
 
     @property
     def slot_dir(self) -> Path:
@@ -272,8 +270,6 @@ class Node:
                 cmd += ["--redis-url", self.redis_url]
             if self.advertise:
                 cmd += ["--advertise-url", self.sidecar_url]
-            if self.llama.unix_socket is not None:
-                cmd += ["--llama-socket", str(self.llama.unix_socket)]
             self.sidecar = Proc(f"kvtier {self.name}", cmd, self.root / f"{self.name}-kvtier.log")
             self.sidecar.start(http_ok(self.sidecar_url + "/readyz"), 60)
 
