@@ -187,7 +187,7 @@ async def _rounds(bases: dict[str, str], pids: dict[str, int], prompt_tokens: in
                 if prog and task is not None:
                     prog.update(task, description=f"overhead: {kind} round {i + 1}/{reps}")
                 path, body = request_for(kind, tokens, text, tails[kind][i], tail_ids[i])
-                for which in _order(i):
+                for which in rotated(PATHS, i):
                     ran = main_thread_cpu_us(pids.get(which))
                     ms, data = await timed_post(s, bases[which] + path, body)
                     if ran is not None and (now := main_thread_cpu_us(pids.get(which))) is not None:
@@ -207,7 +207,7 @@ async def _rounds(bases: dict[str, str], pids: dict[str, int], prompt_tokens: in
         # The extra HTTP hop alone: a request kvtier passes through untouched (no compute either side).
         hops: dict[str, list[float]] = {which: [] for which in bases}
         for i in range(reps):
-            for which in _order(i):
+            for which in rotated(PATHS, i):
                 t0 = time.perf_counter()
                 async with s.get(bases[which] + "/health") as r:
                     await r.read()
@@ -251,11 +251,11 @@ def main_thread_cpu_us(pid: int | None) -> float | None:
         return None
 
 
-def _order(i: int) -> tuple[str, ...]:
+def rotated(paths: tuple[str, ...], i: int) -> tuple[str, ...]:
     """The paths' order in round ``i``: each takes every place in turn, so a slow moment of the
     machine hits all of them."""
-    k = i % len(PATHS)
-    return PATHS[k:] + PATHS[:k]
+    k = i % len(paths)
+    return paths[k:] + paths[:k]
 
 
 async def _tokenize(s: aiohttp.ClientSession, llama_url: str, text: str) -> list[int]:

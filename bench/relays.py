@@ -1,12 +1,12 @@
 """``python -m bench relays``: what each layer of a Python relay costs, with no llama-server behind it.
 
-    python -m bench relays                        # 300 requests per relay and gap, about a minute
+    python -m bench relays                        # 300 requests per path and gap, under a minute
     python -m bench relays --requests 1000 --gaps 0 20 200
 
 ``bench overhead`` measures the sidecar against two floors in front of real llama-servers, where
 compute jitters by milliseconds. This one takes llama-server out: a stub server (``bench/barerelay.py
 --stub``) answers every request at once with a JSON answer of a one-token completion's size, and
-three relays sit in front of it, each its own process on uvloop:
+four relays sit in front of it, each its own process on uvloop:
 
     bytes    bytes in, bytes out: framing by ``Content-Length``, nothing parsed (the floor)
     asyncio  the sidecar's ``Upstream`` behind an ``asyncio.Protocol`` that frames requests and
@@ -38,7 +38,7 @@ from typing import Any
 
 from .barerelay import LAYERS, bare_relay
 from .common import RESULTS_DIR, machine, percentile, print_table, summary, versions, write_json
-from .overhead import main_thread_cpu_us
+from .overhead import main_thread_cpu_us, rotated
 
 PATHS = ("direct", *LAYERS, "aiohttp-unix")
 BATCH = 20  # requests per path in a row before the next path's turn
@@ -122,8 +122,7 @@ def _rounds(clients: dict[str, Client], ports: dict[str, tuple[int, int | None]]
     walls: dict[str, list[float]] = {path: [] for path in PATHS}
     cpus: dict[str, list[float]] = {path: [] for path in PATHS}
     for i in range(max(1, requests // BATCH)):
-        order = PATHS[i % len(PATHS):] + PATHS[:i % len(PATHS)]  # each path takes every place in turn
-        for path in order:
+        for path in rotated(PATHS, i):
             w, cpu = batch(clients[path], ports[path][1], BATCH, gap_s)
             walls[path] += w
             if cpu is not None:
